@@ -1,0 +1,49 @@
+"""The `kvshare` command line: one subcommand per module in this package.
+
+Each subcommand module exposes ``register(subparsers) -> None``, which adds its parser and sets
+``func`` (a callable taking the parsed args and returning an exit code) as a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("plan", "generate", "chat", "serve", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvshare",
+        description="Inference engine for DeepSeek-V4 / V4.1 models with cross-layer KV sharing.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"kvshare.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"kvshare.cli.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from kvshare.errors import KVShareError
+
+    try:
+        return int(args.func(args) or 0)
+    except KVShareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

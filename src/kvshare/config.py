@@ -1,0 +1,441 @@
+"""ModelConfig: one frozen description of a DeepSeek-V4 / V4.1 model, read from any of its config files.
+
+Accepted inputs (a dict, a path to a JSON file, or a directory holding `config.json`):
+
+* HF `config.json` of V4 (`model_type: deepseek_v4`): legacy `compress_ratios` or
+  `layer_types` + `compress_rates`, `num_hash_layers` or `mlp_layer_types`, `rope_scaling` or
+  `rope_parameters`.
+* HF `config.json` of V4.1 (`model_type: deepseek_v41`), with or without `text_config` nesting.
+* DeepSeek's `inference/config.json` (`dim`, `n_layers`, `kv_source_layers`, ...).
+
+Invariants after construction (checked here; source-map rules are checked in `topology.py`):
+``len(compress_ratios) == num_hidden_layers + num_draft_layers``, draft entries are 0, every
+ratio is allowed for the architecture, head counts divide the groups, rope dims are even and fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from kvshare.errors import ConfigError
+
+Arch = Literal["v4", "v41"]
+
+V4_RATIOS = frozenset({0, 4, 128})
+V41_RATIOS = frozenset({0, 1, 2})
+
+_V4_LAYER_TYPE_RATIO = {
+    "sliding_attention": 0,
+    "compressed_sparse_attention": 4,
+    "heavily_compressed_attention": 128,
+}
+
+# DeepSeek `inference/config.json` (ModelArgs) name -> HF name.
+_REFERENCE_ALIASES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "rope_head_dim": "qk_rope_head_dim",
+    "norm_eps": "rms_norm_eps",
+    "window_size": "sliding_window",
+    "n_hash_layers": "num_hash_layers",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "index_k_source_layers": "index_k_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "max_seq_len": "max_position_embeddings",
+}
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """YaRN frequency interpolation, applied only to layers with compress ratio > 0."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape. `compress_ratios` has one entry per backbone layer plus one per draft layer."""
+
+    arch: Arch
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn: YarnConfig | None = None
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.0
+    swiglu_limit: float = 10.0
+    norm_topk_prob: bool = True
+    gate_temp: float = 1.0
+    num_hash_layers: int = 0
+    num_nextn_predict_layers: int = 0
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    index_k_source_layer_ids: tuple[int, ...] | None = None
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    engram_layer_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    act_quant_block: int = 32
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived facts -------------------------------------------------------------------
+    @property
+    def num_draft_layers(self) -> int:
+        """Entries of `compress_ratios` past the backbone (MTP / DSpark); always ratio 0."""
+        return len(self.compress_ratios) - self.num_hidden_layers
+
+    def ratio(self, layer: int) -> int:
+        """Compress ratio of a backbone layer (0 = sliding window only)."""
+        return self.compress_ratios[layer]
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def candidates_enabled(self) -> bool:
+        return self.arch == "v41" and self.candidate_source_layer_id >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict that `ModelConfig.from_dict` reads back to an equal config."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "yarn")}
+        d["yarn"] = asdict(self.yarn) if self.yarn else None
+        d["kvshare_format"] = 1
+        return json.loads(json.dumps(d))
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Read any supported config dict (see module docstring)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"expected a JSON object, got {type(raw).__name__}", field="<root>")
+        if raw.get("kvshare_format") == 1:
+            d = {k: v for k, v in raw.items() if k != "kvshare_format"}
+            d["yarn"] = YarnConfig(**d["yarn"]) if d.get("yarn") else None
+            for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+                      "engram_layer_ids", "eos_token_ids"):
+                d[k] = tuple(d[k])
+            if d.get("index_k_source_layer_ids") is not None:
+                d["index_k_source_layer_ids"] = tuple(d["index_k_source_layer_ids"])
+            return cls(**d)
+        return _parse_hf_or_reference(raw)
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        """Read `path` (a JSON file or a directory holding `config.json`)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config file at {p}", field="<path>", fix="pass a config.json or its directory")
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}", field="<root>") from e
+        return cls.from_dict(raw)
+
+
+def load_config(source: str | Path | dict[str, Any] | ModelConfig) -> ModelConfig:
+    """Accept a ModelConfig, a dict, a path, a directory, or a shipped config name."""
+    if isinstance(source, ModelConfig):
+        return source
+    if isinstance(source, dict):
+        return ModelConfig.from_dict(source)
+    from kvshare.shipped import resolve_config_path
+
+    return ModelConfig.from_path(resolve_config_path(str(source)))
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+
+def _int_list(raw: dict[str, Any], name: str) -> tuple[int, ...]:
+    v = raw.get(name)
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ConfigError(f"expected a list of integers, got {v!r}", field=name)
+    return tuple(v)
+
+
+def _req(raw: dict[str, Any], name: str, typ: type = int) -> Any:
+    if name not in raw or raw[name] is None:
+        raise ConfigError("is required but missing", field=name, fix=f"add `{name}` to config.json")
+    v = raw[name]
+    if typ is int and (not isinstance(v, int) or isinstance(v, bool)):
+        raise ConfigError(f"expected an integer, got {v!r}", field=name)
+    if typ is float and not isinstance(v, (int, float)):
+        raise ConfigError(f"expected a number, got {v!r}", field=name)
+    return v
+
+
+def _detect_arch(raw: dict[str, Any]) -> Arch:
+    mt = str(raw.get("model_type", "")).lower()
+    if mt in ("deepseek_v41", "deepseek_v4_1"):
+        return "v41"
+    if mt == "deepseek_v4":
+        return "v4"
+    if "kv_source_layer_ids" in raw or "index_source_layer_ids" in raw:
+        return "v41"
+    ratios = raw.get("compress_ratios") or []
+    if any(r in (1, 2) for r in ratios if isinstance(r, int)):
+        return "v41"
+    return "v4"
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, float, YarnConfig | None]:
+    rope_theta = float(raw.get("rope_theta", 10000.0))
+    compress_theta = float(raw.get("compress_rope_theta", 160000.0))
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
+        main = params.get("main") or {}
+        rope_theta = float(main.get("rope_theta", rope_theta))
+        comp = params["compress"]
+        compress_theta = float(comp.get("rope_theta", compress_theta))
+        scaling = comp if comp.get("rope_type", comp.get("type")) == "yarn" else None
+    yarn = None
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        orig = scaling.get("original_max_position_embeddings")
+        if not orig:
+            raise ConfigError("yarn scaling needs original_max_position_embeddings", field="rope_scaling")
+        yarn = YarnConfig(
+            factor=float(scaling.get("factor", 1.0)),
+            original_max_position_embeddings=int(orig),
+            beta_fast=float(scaling.get("beta_fast", 32.0)),
+            beta_slow=float(scaling.get("beta_slow", 1.0)),
+        )
+    elif "rope_factor" in raw and raw.get("original_seq_len", 0):
+        yarn = YarnConfig(
+            factor=float(raw["rope_factor"]),
+            original_max_position_embeddings=int(raw["original_seq_len"]),
+            beta_fast=float(raw.get("beta_fast", 32.0)),
+            beta_slow=float(raw.get("beta_slow", 1.0)),
+        )
+    return rope_theta, compress_theta, yarn
+
+
+def _parse_ratios(raw: dict[str, Any], n_layers: int, n_draft: int) -> tuple[int, ...]:
+    if raw.get("compress_ratios") is not None:
+        ratios = list(_int_list(raw, "compress_ratios"))
+    elif raw.get("layer_types") is not None:
+        rates = dict(raw.get("compress_rates") or {})
+        table = {**_V4_LAYER_TYPE_RATIO, **{k: int(v) for k, v in rates.items()}}
+        ratios = []
+        for i, t in enumerate(raw["layer_types"]):
+            if t not in table:
+                raise ConfigError(f"unknown layer type {t!r}", field="layer_types", layer=i,
+                                  fix=f"use one of {sorted(table)}")
+            ratios.append(table[t])
+    else:
+        raise ConfigError("is required (or `layer_types`)", field="compress_ratios",
+                          fix="add one compress ratio per layer")
+    if len(ratios) < n_layers:
+        raise ConfigError(f"has {len(ratios)} entries but num_hidden_layers is {n_layers}",
+                          field="compress_ratios", fix="give one ratio per backbone layer")
+    # Normalise to backbone + draft entries; missing draft entries are ratio 0 (SWA-only).
+    ratios = ratios + [0] * max(0, n_layers + n_draft - len(ratios))
+    return tuple(ratios)
+
+
+def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
+    v = raw.get("eos_token_id", 1)
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def _parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
+    top = raw
+    if isinstance(raw.get("text_config"), dict):
+        raw = {**{k: v for k, v in top.items() if k != "text_config"}, **raw["text_config"]}
+    raw = dict(raw)
+    for old, new in _REFERENCE_ALIASES.items():
+        if old in raw and new not in raw:
+            raw[new] = raw[old]
+    arch = _detect_arch(raw)
+
+    n_layers = _req(raw, "num_hidden_layers")
+    heads = _req(raw, "num_attention_heads")
+    if "qk_rope_head_dim" not in raw and raw.get("partial_rotary_factor"):
+        raw["qk_rope_head_dim"] = int(round(raw["partial_rotary_factor"] * raw.get("head_dim", 512)))
+    n_draft_field = int(raw.get("num_nextn_predict_layers", 0) or 0)
+    ratios_raw = raw.get("compress_ratios")
+    n_draft = n_draft_field
+    if isinstance(ratios_raw, list) and len(ratios_raw) > n_layers:
+        n_draft = len(ratios_raw) - n_layers
+    ratios = _parse_ratios(raw, n_layers, n_draft)
+
+    num_hash = raw.get("num_hash_layers")
+    if num_hash is None and isinstance(raw.get("mlp_layer_types"), list):
+        num_hash = sum(1 for t in raw["mlp_layer_types"] if t == "hash_moe")
+    if num_hash is None:
+        num_hash = 3 if arch == "v4" and raw.get("model_type") == "deepseek_v4" else 0
+
+    rope_theta, compress_theta, yarn = _parse_rope(raw)
+    q_cfg = raw.get("quantization_config") or {}
+    wbs = q_cfg.get("weight_block_size") if isinstance(q_cfg, dict) else None
+    act_block = int(wbs[0]) if isinstance(wbs, list) and wbs else (32 if arch == "v41" else 128)
+
+    engram = _int_list(raw, "engram_layer_ids")
+    if not engram and raw.get("engram_layers") is not None:
+        engram = _int_list(raw, "engram_layers")
+    cand = raw.get("candidate_source_layer_id")
+    extra = {k: v for k, v in top.items() if k in ("architectures", "model_type", "quantization_config")}
+    return ModelConfig(
+        arch=arch,
+        vocab_size=_req(raw, "vocab_size"),
+        hidden_size=_req(raw, "hidden_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        head_dim=_req(raw, "head_dim"),
+        qk_rope_head_dim=_req(raw, "qk_rope_head_dim"),
+        q_lora_rank=_req(raw, "q_lora_rank"),
+        o_groups=_req(raw, "o_groups"),
+        o_lora_rank=_req(raw, "o_lora_rank"),
+        sliding_window=_req(raw, "sliding_window"),
+        compress_ratios=ratios,
+        index_n_heads=int(raw.get("index_n_heads", 0)),
+        index_head_dim=int(raw.get("index_head_dim", 0)),
+        index_topk=int(raw.get("index_topk", 0)),
+        moe_intermediate_size=_req(raw, "moe_intermediate_size"),
+        n_routed_experts=_req(raw, "n_routed_experts"),
+        num_experts_per_tok=_req(raw, "num_experts_per_tok"),
+        n_shared_experts=int(raw.get("n_shared_experts", 1)),
+        rope_theta=rope_theta,
+        compress_rope_theta=compress_theta,
+        yarn=yarn,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 1048576)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        scoring_func=str(raw.get("scoring_func", "sqrtsoftplus")),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        swiglu_limit=float(raw.get("swiglu_limit", 0.0) or 0.0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        gate_temp=float(raw.get("gate_temp", 1.0)),
+        num_hash_layers=int(num_hash),
+        num_nextn_predict_layers=n_draft_field,
+        kv_source_layer_ids=_int_list(raw, "kv_source_layer_ids"),
+        index_source_layer_ids=_int_list(raw, "index_source_layer_ids"),
+        index_k_source_layer_ids=(_int_list(raw, "index_k_source_layer_ids")
+                                  if raw.get("index_k_source_layer_ids") is not None else None),
+        candidate_source_layer_id=int(cand) if cand is not None else -1,
+        candidate_topk_blocks=int(raw.get("candidate_topk_blocks", 0) or 0),
+        candidate_block_size=int(raw.get("candidate_block_size", 0) or 0),
+        engram_layer_ids=engram,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id", 0),
+        eos_token_ids=_eos(raw),
+        act_quant_block=act_block,
+        extra=extra,
+    )
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _positive(cfg: ModelConfig, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"must be a positive integer, got {v!r}", field=n)
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if cfg.arch not in ("v4", "v41"):
+        raise ConfigError(f"unknown architecture {cfg.arch!r}", field="model_type",
+                          fix="use deepseek_v4 or deepseek_v41")
+    _positive(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+              "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+              "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "hc_mult")
+    if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > cfg.head_dim:
+        raise ConfigError(f"{cfg.qk_rope_head_dim} must be even and at most head_dim {cfg.head_dim}",
+                          field="qk_rope_head_dim")
+    if cfg.num_attention_heads % cfg.o_groups:
+        raise ConfigError(f"num_attention_heads {cfg.num_attention_heads} is not divisible by o_groups "
+                          f"{cfg.o_groups}", field="o_groups", fix="choose o_groups dividing the head count")
+    if cfg.n_shared_experts != 1:
+        raise ConfigError(f"exactly one shared expert is supported, got {cfg.n_shared_experts}",
+                          field="n_shared_experts")
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise ConfigError(f"{cfg.num_experts_per_tok} exceeds n_routed_experts {cfg.n_routed_experts}",
+                          field="num_experts_per_tok")
+    if cfg.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+        raise ConfigError(f"unknown scoring function {cfg.scoring_func!r}", field="scoring_func",
+                          fix="use sqrtsoftplus, softmax or sigmoid")
+    if not 0 <= cfg.num_hash_layers <= cfg.num_hidden_layers:
+        raise ConfigError(f"{cfg.num_hash_layers} is outside [0, num_hidden_layers]", field="num_hash_layers")
+    if cfg.rms_norm_eps < 0 or cfg.hc_eps < 0:
+        raise ConfigError("eps values must be non-negative", field="rms_norm_eps")
+    n = cfg.num_hidden_layers
+    if len(cfg.compress_ratios) < n:
+        raise ConfigError(f"has {len(cfg.compress_ratios)} entries but num_hidden_layers is {n}",
+                          field="compress_ratios", fix="give one ratio per backbone layer")
+    allowed = V41_RATIOS if cfg.arch == "v41" else V4_RATIOS
+    for i, r in enumerate(cfg.compress_ratios):
+        if i >= n:
+            if r != 0:
+                raise ConfigError(f"draft (MTP/DSpark) entry has ratio {r}; draft layers are sliding-window only",
+                                  field="compress_ratios", layer=i, fix="set draft entries to 0")
+            continue
+        if r not in allowed:
+            raise ConfigError(f"ratio {r} is not valid for {cfg.arch} (allowed: {sorted(allowed)})",
+                              field="compress_ratios", layer=i,
+                              fix="V4 uses 0/4/128, V4.1 uses 0/1/2")
+    if any(r > 0 for r in cfg.compress_ratios[:n]):
+        _positive(cfg, "index_head_dim")
+        if any(r != 128 for r in cfg.compress_ratios[:n] if r > 0):
+            _positive(cfg, "index_n_heads", "index_topk")
+        if cfg.index_head_dim < cfg.qk_rope_head_dim:
+            raise ConfigError(f"{cfg.index_head_dim} is smaller than qk_rope_head_dim {cfg.qk_rope_head_dim}",
+                              field="index_head_dim")
+    if cfg.act_quant_block <= 0 or cfg.act_quant_block & (cfg.act_quant_block - 1):
+        raise ConfigError(f"{cfg.act_quant_block} must be a power of two", field="quantization_config.weight_block_size")
+    if cfg.yarn is not None and (cfg.yarn.factor <= 0 or math.isnan(cfg.yarn.factor)):
+        raise ConfigError("yarn factor must be positive", field="rope_scaling")
