@@ -1,0 +1,82 @@
+"""The loss both training and evaluation use: next-byte cross-entropy through the inference model.
+
+Contexts of several sequences go through ``Transformer.forward`` as ONE ragged StepBatch, every
+sequence from position 0, with a fresh cache backend per step, exactly as a batched prefill at
+inference time. The logits of every row are compared with the next token; the last token of each
+context has no target and is not fed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvshare.runtime import StepBatch
+
+CacheFactory = Callable[[Any, int], Any]  # (model, num_seqs) -> CacheBackend
+
+
+def dense_cache_factory(model: Any, num_seqs: int) -> Any:
+    """A fresh reference cache (`model/dense_cache.py`) for `num_seqs` sequences."""
+    from kvshare.model.dense_cache import DenseCache
+
+    return DenseCache(model.cfg, model.topo, num_seqs=num_seqs)
+
+
+def forward_contexts(
+    model: Any, contexts: list[torch.Tensor], cache_factory: CacheFactory = dense_cache_factory
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [T, vocab] for all but the last token of each context, and the matching targets [T].
+
+    Every context is one sequence of the step, starting at position 0.
+    """
+    if not contexts or min(int(c.numel()) for c in contexts) < 2:
+        raise ValueError("every context needs at least 2 tokens (one input, one target)")
+    device = next(model.parameters()).device
+    inputs = torch.cat([c[:-1] for c in contexts]).to(device)
+    targets = torch.cat([c[1:] for c in contexts]).to(device)
+    lens = [int(c.numel()) - 1 for c in contexts]
+    batch = StepBatch.build([0] * len(lens), lens, device=device)
+    cache = cache_factory(model, len(lens))
+    logits = model(inputs, batch, cache)
+    return logits, targets
+
+
+def lm_loss(
+    model: Any, contexts: list[torch.Tensor], cache_factory: CacheFactory = dense_cache_factory
+) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) over all predicted positions of the contexts."""
+    logits, targets = forward_contexts(model, contexts, cache_factory)
+    return F.cross_entropy(logits.float(), targets)
+
+
+def token_nll(
+    model: Any, contexts: list[torch.Tensor], cache_factory: CacheFactory = dense_cache_factory
+) -> torch.Tensor:
+    """Per-position negative log-likelihood (nats) [T] of each context's tokens after the first."""
+    logits, targets = forward_contexts(model, contexts, cache_factory)
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay from `peak` to `peak * min_ratio` at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices (dim >= 2, not embeddings) decay; vectors, norms, gains and embeddings do not."""
+    decay, keep = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() >= 2 and "embed" not in name and not name.endswith("head.weight"):
+            decay.append(p)
+        else:
+            keep.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
