@@ -121,7 +121,9 @@ class Topology:
         """Layers that have an index-K region in a block, in layer order."""
         if self.share_cache:
             return tuple(p.layer for p in self.layers if p.is_index_k_source)
-        return tuple(p.layer for p in self.layers if p.index_k_source is not None)
+        # Unshared: every layer that attends a top-k selection keeps its own index keys, as a V4
+        # layer would (spec/cache.md §4.3 "all 38 compressed layers owned their own").
+        return tuple(p.layer for p in self.layers if p.is_compressed and p.index_source is not None)
 
     def kv_cache_of(self, layer: int) -> int:
         """The layer whose compressed-KV region `layer` reads."""
