@@ -1,0 +1,177 @@
+"""Block allocator, request slots and per-sequence block tables.
+
+Addressing (spec/cache.md §2.4, §9.5): token position p of a sequence lives in its logical block
+``p // block_size``. Compressed row j of an owner with ratio r covers positions ``[j*r, (j+1)*r)``
+and lives in logical block ``(j*r) // block_size`` at row ``((j*r) % block_size) // r`` of that
+owner's region; it is written only once its group completes (``(pos + 1) % r == 0``), so a
+sequence of n computed tokens has ``n // r`` rows and needs ``ceil(n / block_size)`` blocks.
+
+Invariants:
+
+* Block 0 is the null block: never handed out, never freed; padding entries of a block table
+  point at it, so a padded lookup reads a block nobody owns.
+* A block is on the free list iff its reference count is 0.
+* -1 is never used as a tensor index (callers mask it before addressing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NULL_BLOCK = 0
+
+
+class BlockAllocator:
+    """Free list with reference counts over physical blocks ``1 .. num_blocks-1``."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        # Pop from the end: lowest ids are handed out first.
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._ref = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - self.num_free
+
+    def refcount(self, block: int) -> int:
+        return self._ref[block]
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out n blocks with reference count 1; raises MemoryError if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._ref[b] = 1
+        return out
+
+    def incref(self, block: int) -> None:
+        """Share an allocated block (one more holder)."""
+        if block == NULL_BLOCK or self._ref[block] <= 0:
+            raise ValueError(f"block {block} is not allocated")
+        self._ref[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block reaching 0 returns to the free list."""
+        for b in blocks:
+            if b == NULL_BLOCK:
+                raise ValueError("the null block is never freed")
+            if self._ref[b] <= 0:
+                raise ValueError(f"double free of block {b}")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)
+
+
+class SlotAllocator:
+    """Request slots ``0 .. num_slots-1`` (each indexes the per-slot rings and states)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise MemoryError("no free request slot")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+
+class BlockManager:
+    """Owns the allocator, the request slots and a per-slot block-table tensor.
+
+    ``tables[slot, b]`` is the physical block of logical block b of the sequence in ``slot``
+    (0 = null block for blocks not yet allocated). ``block_ids[slot]`` mirrors the allocated prefix.
+    A step's block tables are ``tables[slots]``, one batched gather.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, max_model_len: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.slots = SlotAllocator(num_slots)
+        self.max_blocks_per_seq = blocks_for_tokens(max_model_len, block_size)
+        self.tables = torch.zeros(num_slots, max(1, self.max_blocks_per_seq), dtype=torch.int64, device=device)
+        self.block_ids: dict[int, list[int]] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for_tokens(num_tokens, self.block_size)
+
+    def extra_blocks(self, slot: int | None, num_tokens: int) -> int:
+        """Blocks a sequence in `slot` (None: not admitted yet) must still get to hold num_tokens."""
+        have = len(self.block_ids.get(slot, [])) if slot is not None else 0
+        return max(0, self.blocks_needed(num_tokens) - have)
+
+    def can_grow(self, slot: int | None, num_tokens: int) -> bool:
+        return self.extra_blocks(slot, num_tokens) <= self.allocator.num_free
+
+    def open_slot(self) -> int:
+        slot = self.slots.allocate()
+        self.block_ids[slot] = []
+        return slot
+
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Allocate blocks so the sequence in `slot` holds `num_tokens` positions."""
+        n = self.extra_blocks(slot, num_tokens)
+        if n == 0:
+            return
+        ids = self.block_ids[slot]
+        if len(ids) + n > self.max_blocks_per_seq:
+            raise ValueError(f"{num_tokens} tokens exceed max_model_len's {self.max_blocks_per_seq} blocks")
+        new = self.allocator.allocate(n)
+        self.tables[slot, len(ids):len(ids) + n] = torch.tensor(new, dtype=torch.int64).to(self.tables.device)
+        ids.extend(new)
+
+    def release(self, slot: int) -> None:
+        """Free the slot's blocks and the slot itself (finish, abort or preemption)."""
+        ids = self.block_ids.pop(slot)
+        self.allocator.free(ids)
+        self.tables[slot].zero_()
+        self.slots.free(slot)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def compressed_row_address(
+    block_tables: torch.Tensor, seq: torch.Tensor, j: torch.Tensor, ratio: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Physical (block, row) of compressed row j of sequence seq, plus a validity mask.
+
+    ``seq`` broadcasts against ``j``. Entries with ``j < 0`` (or past the table) are invalid and
+    are addressed at (null block 0, row 0) so that they index nothing live; callers mask them.
+    """
+    valid = j >= 0
+    jj = torch.where(valid, j, torch.zeros_like(j))
+    pos = jj * ratio
+    logical = pos // block_size
+    valid = valid & (logical < block_tables.shape[1])
+    logical = torch.where(valid, logical, torch.zeros_like(logical))
+    seq_b, _ = torch.broadcast_tensors(seq, jj)
+    block = block_tables[seq_b, logical]
+    block = torch.where(valid, block, torch.zeros_like(block))
+    row = torch.where(valid, (pos % block_size) // ratio, torch.zeros_like(pos))
+    return block, row, valid

@@ -1,0 +1,51 @@
+"""ModelRunner: scheduled chunks -> StepBatch -> model forward -> logits of the sampling rows.
+
+Per step it builds the flat token ids, the ragged StepBatch (positions, seq_index, cu_seqlens,
+chunk starts/lengths), the request slots and the block tables (one gather from the block manager's
+per-slot table), calls ``model.forward(input_ids, batch, backend)`` and returns the logits of the
+last token of every chunk that samples, in chunk order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvshare.cache.blocks import BlockManager
+from kvshare.engine.scheduler import ScheduledChunk
+from kvshare.runtime import CacheBackend, StepBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: CacheBackend, blocks: BlockManager,
+                 device: torch.device | str) -> None:
+        self.model = model
+        self.backend = backend
+        self.blocks = blocks
+        self.device = torch.device(device)
+
+    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepBatch, list[int]]:
+        """(input_ids [T], batch, indices of the chunks that sample)."""
+        starts = [c.start for c in chunks]
+        lens = [c.length for c in chunks]
+        slots = [c.seq.slot for c in chunks]
+        ids = list(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks))
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.blocks.tables.device)
+        tables = self.blocks.tables.index_select(0, slot_t).to(self.device)
+        # Logits only for the last row of each sequence (cheap), sampling rows picked after.
+        ends = list(itertools.accumulate(lens))
+        batch = StepBatch.build(starts, lens, slots, block_tables=tables,
+                                logit_rows=[e - 1 for e in ends], device=self.device)
+        return input_ids, batch, sampling
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
+        input_ids, batch, sampling = self.build_batch(chunks)
+        logits = self.model(input_ids, batch, self.backend)
+        if len(sampling) != len(chunks):
+            logits = logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=logits.device))
+        return logits.float(), sampling

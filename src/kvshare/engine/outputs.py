@@ -1,0 +1,63 @@
+"""What the engine reports: RequestOutput per request and EngineStats per engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvshare.engine.sequence import RequestMetrics, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (cumulative; ``new_token_ids`` are this step's tokens only).
+
+    ``finish_reason`` is "stop" (eos, stop token or stop string), "length" (max_tokens or
+    max_model_len) or "abort"; None while running. ``logprobs`` holds the chosen tokens' logprobs
+    when the request asked for them.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None
+    metrics: RequestMetrics
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            text=seq.output_text,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=list(seq.new_token_ids),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            metrics=seq.metrics,
+        )
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; ``*_tokens`` are tokens processed by the model."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens: int = 0  # prefill (and recompute) tokens run through the model
+    generation_tokens: int = 0  # tokens sampled
+    bytes_per_block: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def block_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total if self.num_blocks_total else 0.0

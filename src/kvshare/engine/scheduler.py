@@ -1,0 +1,161 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, decode batching, preemption.
+
+Each step gives every scheduled sequence one chunk ``[num_computed, num_computed + length)`` of its
+tokens; a chunk that reaches the end of the sequence's tokens produces a sampled token. Decodes are
+chunks of length 1; prompts are split into chunks when the step's token budget
+(``max_num_batched_tokens``) runs out, so prefill and decode mix in one batch.
+
+Policy (FCFS, oldest first):
+
+1. Running sequences, oldest first, take their next chunk within the budget. When the pool has too
+   few free blocks, a prefill chunk is shortened to what fits; if nothing fits, the newest running
+   sequence is preempted (blocks and slot freed, requeued to recompute from its prompt plus
+   generated tokens) until it does. The oldest sequence therefore always progresses.
+2. Waiting sequences, oldest first, are admitted while the budget, ``max_num_seqs`` (request slots)
+   and free blocks allow. Admission never preempts.
+
+Invariants: a scheduled chunk has length >= 1; the blocks for ``num_computed + length`` tokens are
+allocated before the step runs; the total scheduled tokens are <= ``max_num_batched_tokens``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from kvshare.cache.blocks import BlockManager
+from kvshare.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (and so yields a new token)."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates blocks and slots through BlockManager."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.blocks = blocks
+        self.max_num_seqs = min(max_num_seqs, blocks.slots.num_slots)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by arrival_order
+        self.running: list[Sequence] = []  # sorted by arrival_order
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        keys = [s.arrival_order for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.arrival_order), seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark `seq` finished (stop, length or abort) and free its blocks and slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
+        seq.metrics.finished_time = time.perf_counter()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.blocks.release(seq.slot)
+            seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.reset_for_recompute()
+        self._enqueue(seq)
+        self.num_preemptions += 1
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _fit(self, seq: Sequence, want: int) -> int:
+        """Longest chunk <= want whose blocks are allocatable now (0 if none)."""
+        have = len(self.blocks.block_ids.get(seq.slot, [])) if seq.slot is not None else 0
+        cap = (have + self.blocks.allocator.num_free) * self.blocks.block_size - seq.num_computed
+        return max(0, min(want, cap))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            want = min(seq.num_uncomputed, budget)
+            n = self._fit(seq, want)
+            while n < want and (n == 0 or not self.chunked_prefill):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+                n = self._fit(seq, want)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # seq preempted itself; the list shifted
+            self.blocks.grow(seq.slot, seq.num_computed + n)  # type: ignore[arg-type]
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq in out.preempted:
+                break  # do not readmit a victim in the step that evicted it
+            want = min(seq.num_uncomputed, budget)
+            if not self.chunked_prefill and want < seq.num_uncomputed:
+                break
+            n = self._fit(seq, want)
+            if n < want and (n == 0 or not self.chunked_prefill):
+                break
+            self.waiting.pop(0)
+            seq.slot = self.blocks.open_slot()
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            self.blocks.grow(seq.slot, seq.num_computed + n)
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        return out
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in self.running + self.waiting:
+            if seq.request_id == request_id:
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                return seq
+        return None
