@@ -1,0 +1,293 @@
+"""Checkpoints: read safetensors (released or transformers naming, FP8 / FP4 or plain), write them, build models.
+
+* `load_checkpoint(path, cfg)`: a single ``.safetensors`` file, or a directory with
+  ``model.safetensors.index.json`` (sharded), ``model.safetensors``, or other ``*.safetensors`` files.
+  Names are DeepSeek's released ones or transformers' (detected, then mapped by `hf_naming`).
+  A tensor with a companion scale (``<module>.scale`` for ``<module>.weight``, ``<name>.scale`` or
+  ``<module>.weight_scale_inv``) is decoded to fp32 on load: e4m3 weights as FP8 block-scaled (block
+  from ``quantization_config.weight_block_size``), int8 / uint8 / ``float4_e2m1fn_x2`` weights as
+  packed FP4 (layout in `weights_quant`). Tensors without a scale are returned as stored.
+  Draft (``mtp.*``, or backbone-style layers past ``num_hidden_layers``) and vision tensors are
+  skipped with one logged warning; missing, unexpected or mis-shaped tensors raise CheckpointError.
+* `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
+  read back by `ModelConfig.from_dict` to an equal config) + safetensors in the released naming.
+* `load_model(name_or_path, ...)`: a directory (config + weights, or config only) or a shipped
+  config name; without weights the model is initialised by its ``init_weights(DEFAULT_SEED)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvshare.config import ModelConfig, load_config
+from kvshare.errors import CheckpointError, ConfigError
+from kvshare.model import weights_quant as wq
+from kvshare.model.hf_naming import is_transformers_naming, released_shapes, transformers_to_kvshare
+
+if TYPE_CHECKING:
+    from kvshare.model.deepseek import Transformer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEED = 0
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_VISION_PREFIXES = ("vision", "visual", "vit.", "mm_projector", "multi_modal_projector", "image_newline",
+                    "view_seperator", "view_separator", "projector.")
+_LAYER_ID = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_DEFAULT_BLOCK = {"v4": 128, "v41": 32}
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint (a file, or a directory; sharded via the index file)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise CheckpointError(f"no checkpoint at {p}")
+    index = p / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [p / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
+        return files
+    if (p / SINGLE_FILE).is_file():
+        return [p / SINGLE_FILE]
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {p}")
+    return files
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a directory holds safetensors weights."""
+    p = Path(path)
+    return p.is_dir() and ((p / INDEX_FILE).is_file() or any(p.glob("*.safetensors")))
+
+
+def _read_all(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name in out:
+                    raise CheckpointError(f"tensor `{name}` appears in more than one shard ({f.name})")
+                out[name] = fh.get_tensor(name)
+    return out
+
+
+def _skip_kind(name: str, cfg: ModelConfig) -> str | None:
+    """'draft' / 'vision' for tensors the text backbone does not use, else None."""
+    bare = name[len("model."):] if name.startswith("model.") else name
+    if bare.startswith("mtp.") or ".mtp." in name:
+        return "draft"
+    m = _LAYER_ID.match(name)
+    if m and cfg.num_hidden_layers <= int(m.group(1)) < len(cfg.compress_ratios):
+        return "draft"
+    if bare.startswith(_VISION_PREFIXES) or name.endswith(".bias_vl"):
+        return "vision"
+    return None
+
+
+def _weight_block(cfg: ModelConfig) -> tuple[int, int]:
+    q = cfg.extra.get("quantization_config") or {}
+    wbs = q.get("weight_block_size") if isinstance(q, dict) else None
+    if isinstance(wbs, (list, tuple)) and len(wbs) == 2:
+        return int(wbs[0]), int(wbs[1])
+    return cfg.act_quant_block, cfg.act_quant_block
+
+
+def _scale_owner(name: str, tensors: dict[str, torch.Tensor]) -> str | None:
+    """The weight a scale tensor belongs to (None: `name` is not a scale of a present weight)."""
+    if name.endswith(".weight_scale_inv"):
+        cands = [name[: -len("_scale_inv")]]
+    elif name.endswith(".scale"):
+        stem = name[: -len(".scale")]
+        cands = [stem + ".weight", stem]
+    else:
+        return None
+    return next((c for c in cands if c in tensors and c != name), None)
+
+
+def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    scales: dict[str, str] = {}
+    for name in list(tensors):
+        if (name.endswith(".scale") or name.endswith("_scale_inv")) and tensors[name].dtype.is_floating_point:
+            owner = _scale_owner(name, tensors)
+            if owner is not None and (wq.is_fp8(tensors[owner]) or wq.is_packed_fp4(tensors[owner])):
+                scales[owner] = name
+    block = _weight_block(cfg)
+    out: dict[str, torch.Tensor] = {}
+    used = set(scales.values())
+    for name, t in tensors.items():
+        if name in used:
+            continue
+        if name in scales:
+            s = tensors[scales[name]]
+            try:
+                out[name] = wq.dequant_fp8_weight(t, s, block) if wq.is_fp8(t) else wq.dequant_fp4_weight(t, s)
+            except ValueError as e:
+                raise CheckpointError(f"tensor `{name}`: {e}") from e
+        elif wq.is_fp8(t) or (wq.is_packed_fp4(t) and not name.endswith("tid2eid")):
+            raise CheckpointError(f"tensor `{name}` is quantised ({t.dtype}) but has no `.scale` companion")
+        else:
+            out[name] = t
+    return out
+
+
+def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read a checkpoint into a released-naming state dict checked against `cfg` (see module doc)."""
+    if cfg.engram_layer_ids:
+        raise ConfigError(f"Engram layers {list(cfg.engram_layer_ids)} are not supported by kvshare",
+                          field="engram_layer_ids", fix="use a config without Engram layers")
+    raw = _read_all(checkpoint_files(path))
+    skipped = {"draft": 0, "vision": 0}
+    kept: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        kind = _skip_kind(name, cfg)
+        if kind is None:
+            kept[name] = t
+        else:
+            skipped[kind] += 1
+    if any(skipped.values()):
+        log.warning("checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
+                    path, skipped["draft"], skipped["vision"])
+    state = _dequantize(kept, cfg)
+    if is_transformers_naming(state):
+        state = transformers_to_kvshare(state, cfg)
+    if cfg.tie_word_embeddings and "head.weight" not in state and "embed.weight" in state:
+        state["head.weight"] = state["embed.weight"]
+    check_state_dict(state, released_shapes(cfg))
+    return state
+
+
+def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise CheckpointError for the first missing, unexpected or mis-shaped tensor."""
+    for name, shape in expected.items():
+        if name not in state:
+            raise CheckpointError(f"missing tensor `{name}` (expected shape {list(shape)})")
+    for name, t in state.items():
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor `{name}` (shape {list(t.shape)}): not part of this config")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(f"tensor `{name}` has shape {list(t.shape)}, expected {list(expected[name])}")
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def hf_style_config(cfg: ModelConfig) -> dict:
+    """An HF-style config dict (model_type, rope_scaling, eos_token_id, ...) that
+    `ModelConfig.from_dict` reads back to `cfg`; falls back to `cfg.to_dict()` where it would not."""
+    d = {k: v for k, v in cfg.to_dict().items()
+         if k not in ("arch", "yarn", "eos_token_ids", "act_quant_block", "kvshare_format")}
+    v41 = cfg.arch == "v41"
+    d["architectures"] = ["DeepseekV41ForCausalLM" if v41 else "DeepseekV4ForCausalLM"]
+    d["model_type"] = "deepseek_v41" if v41 else "deepseek_v4"
+    d["num_key_value_heads"] = 1
+    d["eos_token_id"] = list(cfg.eos_token_ids) if cfg.eos_token_ids else None
+    if cfg.yarn is not None:
+        d["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.yarn.factor, "beta_fast": cfg.yarn.beta_fast,
+                             "beta_slow": cfg.yarn.beta_slow,
+                             "original_max_position_embeddings": cfg.yarn.original_max_position_embeddings}
+    if cfg.act_quant_block != _DEFAULT_BLOCK[cfg.arch]:
+        d["quantization_config"] = {"weight_block_size": [cfg.act_quant_block, cfg.act_quant_block]}
+    try:
+        if ModelConfig.from_dict(json.loads(json.dumps(d))) == cfg:
+            return d
+    except ConfigError:
+        pass
+    return cfg.to_dict()
+
+
+def save_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
+                    out_dir: str | Path, shard_bytes: int | None = None) -> Path:
+    """Write ``config.json`` and the weights (released naming) to `out_dir`; returns `out_dir`.
+
+    `shard_bytes` None writes one ``model.safetensors``; otherwise shards of at most that many bytes
+    (a larger single tensor gets its own shard) plus ``model.safetensors.index.json``."""
+    sd = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
+        else dict(model_or_state_dict)
+    if is_transformers_naming(sd):
+        sd = transformers_to_kvshare(sd, cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_style_config(cfg), indent=2) + "\n")
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
+    if shard_bytes is None:
+        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return out
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nb = v.numel() * v.element_size()
+        if shards[-1] and size + nb > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nb
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n")
+    return out
+
+
+# ---- models -----------------------------------------------------------------------------------
+
+
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a released-naming state dict into `model`, checking names and shapes first.
+
+    Model tensors under ``mtp.`` (draft layers) that the checkpoint lacks keep their values."""
+    own = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in own.items()}
+    for name in own:
+        if name not in state and not name.startswith("mtp."):
+            raise CheckpointError(f"missing tensor `{name}` (expected shape {list(expected[name])})")
+    check_state_dict(state, {k: s for k, s in expected.items() if k in state or not k.startswith("mtp.")})
+    with torch.no_grad():
+        for name, t in state.items():
+            own[name].copy_(t)
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quant: object = True) -> "Transformer":
+    """Build a `Transformer` from a checkpoint directory, a config file, or a shipped config name.
+
+    With weights next to the config they are loaded; otherwise the model is randomly initialised
+    with `init_weights(DEFAULT_SEED)` (deterministic)."""
+    from kvshare.model.deepseek import Transformer
+
+    p = Path(name_or_path)
+    weights_dir = p if p.is_dir() else (p.parent if p.is_file() else None)
+    cfg = load_config(str(name_or_path))
+    if cfg.engram_layer_ids:
+        raise ConfigError(f"Engram layers {list(cfg.engram_layer_ids)} are not supported by kvshare",
+                          field="engram_layer_ids", fix="use a config without Engram layers")
+    model = Transformer(cfg, quant=quant)
+    if weights_dir is not None and has_weights(weights_dir):
+        load_state_into(model, load_checkpoint(weights_dir, cfg))
+    else:
+        model.init_weights(DEFAULT_SEED)
+    return model.to(device=device, dtype=dtype).eval()
