@@ -1,0 +1,181 @@
+"""`kvshare plan CONFIG`: per-layer roles and the cache memory plan, as rich tables or JSON.
+
+Every number printed comes from the `CacheLayout` object (`CacheLayout.to_dict`), so the CLI
+and the engine can never disagree. CONFIG is a config file, a directory with config.json, or a
+shipped config name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from kvshare.cache.layout import CacheLayout
+from kvshare.config import load_config
+from kvshare.topology import LayerPlan, Topology
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+_MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(text: str) -> int:
+    """'80GiB', '512MiB', '1e9', '80GB' (decimal), '4G' (binary) -> bytes (a positive int)."""
+    m = _MEM_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid memory size {text!r}: use a number with an optional unit, e.g. 80GiB, 512MiB, 1e9, 40GB")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value >= 1 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid memory size {text!r}: must be at least 1 byte")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="show per-layer cache roles and the memory plan",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("config", metavar="CONFIG", help="config.json, a directory holding it, or a shipped name")
+    p.add_argument("--block-size", type=_positive_int, default=128, help="tokens per cache block (default 128)")
+    p.add_argument("--kv-format", default=None, help="compressed-KV row format (fp4, fp8, fp8_v4, bf16, fp32)")
+    p.add_argument("--index-format", default=None, help="index-K row format (fp4, fp8, bf16, fp32)")
+    p.add_argument("--window-format", default=None, help="sliding-window row format (fp8, fp8_v4, bf16, fp32)")
+    p.add_argument("--memory", type=parse_memory, default=None, help="cache memory budget, e.g. 80GiB")
+    p.add_argument("--max-seqs", type=_positive_int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--no-share", action="store_true", help="plan without cross-layer sharing")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def _state_text(layout: CacheLayout, layer: int) -> str:
+    parts = []
+    for s in layout.states:
+        if s.layer == layer:
+            mult = f"{s.tensors}x" if s.tensors > 1 else ""
+            name = {"window": "win", "compressor": "cmp", "indexer_compressor": "icmp"}.get(s.name, s.name)
+            parts.append(f"{name} {mult}{s.rows}x{s.row_bytes}")
+    return ", ".join(parts)
+
+
+def _layer_row(p: LayerPlan, layout: CacheLayout) -> dict[str, Any]:
+    topo = layout.topo
+    kv_cache = topo.kv_cache_of(p.layer) if p.kv_source is not None else None
+    ik_cache = topo.index_k_cache_of(p.layer) if p.index_k_source is not None else None
+    return {
+        "layer": p.layer, "ratio": p.ratio, "role": p.role.value, "draft": p.is_draft,
+        "kv_source": p.kv_source, "index_source": p.index_source, "index_k_source": p.index_k_source,
+        "kv_cache": kv_cache, "index_k_cache": ik_cache,
+        "publishes_candidates": p.publishes_candidates, "uses_candidates": p.uses_candidates,
+        "regions": [r.kind for r in layout.regions if r.owner == p.layer],
+        "state_bytes": sum(s.nbytes for s in layout.states if s.layer == p.layer),
+        "state": _state_text(layout, p.layer),
+    }
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan as a JSON-able dict; numbers come from the CacheLayout."""
+    cfg = load_config(args.config)
+    topo = Topology(cfg, share_cache=not args.no_share)
+    layout = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
+                         index_format=args.index_format, window_format=args.window_format)
+    return {
+        "config": str(args.config),
+        "arch": cfg.arch,
+        "num_layers": cfg.num_hidden_layers,
+        "num_draft_layers": cfg.num_draft_layers,
+        "roles": topo.summary_counts(),
+        "layers": [_layer_row(p, layout) for p in topo.layers],
+        "layout": layout.to_dict(args.memory, args.max_seqs),
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n:,.0f} B ({n / size:.2f} {unit})"
+    return f"{n:,.0f} B" if float(n).is_integer() else f"{n:,.2f} B"
+
+
+def _print_rich(plan: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    lay = plan["layout"]
+    dash = "-"
+    t = Table(title=f"{plan['config']} ({plan['arch']}): layer roles", title_justify="left")
+    for col in ("layer", "ratio", "role", "kv src", "index src", "index-K src", "candidates", "owns",
+                "state (rings: tensors x rows x bytes)"):
+        t.add_column(col, justify="right" if col in ("layer", "ratio") else "left", no_wrap=True)
+    for r in plan["layers"]:
+        cand = "publishes" if r["publishes_candidates"] else ("consumes" if r["uses_candidates"] else dash)
+        kv = dash if r["kv_source"] is None else str(r["kv_source"])
+        if r["kv_cache"] is not None and r["kv_cache"] != r["kv_source"]:
+            kv += f" (copy in {r['kv_cache']})"
+        role = r["role"] + (" (draft)" if r["draft"] else "")
+        t.add_row(str(r["layer"]), str(r["ratio"]), role, kv,
+                  dash if r["index_source"] is None else str(r["index_source"]),
+                  dash if r["index_k_source"] is None else str(r["index_k_source"]),
+                  cand, "+".join(r["regions"]) or dash, r["state"])
+    console.print(t)
+
+    f = lay["formats"]
+    s = Table(title="memory plan", title_justify="left", show_header=False)
+    s.add_column("item")
+    s.add_column("value")
+    s.add_row("layout id", lay["layout_id"])
+    s.add_row("formats", f"kv {f['kv']['name']} ({f['kv']['row_bytes']} B), index K {f['index_k']['name']} "
+                         f"({f['index_k']['row_bytes']} B), window {f['window']['name']} ({f['window']['row_bytes']} B)")
+    s.add_row("block size / alignment", f"{lay['block_size']} tokens / {lay['alignment']} B")
+    s.add_row("bytes per block", _fmt_bytes(lay["bytes_per_block"]))
+    s.add_row("bytes per token" + ("" if lay["share_cache"] else " (no sharing)"), _fmt_bytes(lay["bytes_per_token"]))
+    s.add_row("bytes per token without sharing", _fmt_bytes(lay["unshared_bytes_per_token"]))
+    s.add_row("sharing saves", f"{lay['saving_factor']:.2f}x")
+    s.add_row("per-sequence state", f"{_fmt_bytes(lay['state_bytes_per_seq'])}: window "
+                                    f"{_fmt_bytes(lay['window_bytes_per_seq'])}, compressor "
+                                    f"{_fmt_bytes(lay['compressor_bytes_per_seq'])}")
+    mem = lay.get("memory")
+    if mem:
+        s.add_row("memory budget", _fmt_bytes(mem["memory_bytes"]))
+        s.add_row(f"state of {mem['max_seqs']} sequences", _fmt_bytes(mem["state_bytes_total"]))
+        s.add_row("blocks (incl. null block)", f"{mem['blocks']:,}")
+        s.add_row("tokens that fit", f"{mem['tokens']:,} (without sharing {mem['unshared_tokens']:,})")
+    console.print(s)
+
+    r = Table(title="regions inside one block", title_justify="left")
+    for col in ("owner", "kind", "offset", "end", "rows", "row bytes"):
+        r.add_column(col, justify="left" if col == "kind" else "right")
+    for reg in lay["regions"]:
+        r.add_row(str(reg["owner"]), reg["kind"], f"{reg['offset']:,}", f"{reg['end']:,}", str(reg["rows"]),
+                  str(reg["row_bytes"]))
+    console.print(r)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    if args.json:
+        json.dump(plan, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_rich(plan)
+    return 0
