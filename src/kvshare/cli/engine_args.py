@@ -1,0 +1,126 @@
+"""Engine flags shared by `kvshare generate`, `chat`, `serve` and `bench`.
+
+`add_engine_args(parser)` adds them; `engine_args_from(args)` turns the parsed values into the
+keyword arguments of `LLM(model, **kw)` / `LLMEngine`, leaving out flags the user did not set so
+the engine's own defaults (`EngineArgs`) apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+DEFAULT_MODEL = "kvshare-mini-v41"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count such as `4GiB`, `512MB`, `1.5e9` or `1048576`."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1e9)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the model and engine flags to `parser` (in their own help group)."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model directory (config.json, weights, tokenizer.json) or shipped config name; "
+                        f"default {DEFAULT_MODEL} (byte-level vocabulary)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of weights and activations (default: the engine's choice for the device)")
+    g.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+    g.add_argument("--block-size", type=_positive_int, default=None,
+                   help="tokens per KV-cache block; a multiple of every compress ratio (default: engine's)")
+    g.add_argument("--kv-format", default=None,
+                   help="row format of the compressed KV cache, e.g. bf16, fp8, fp4 (default: the model's)")
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument("--memory", type=parse_bytes, default=None, metavar="SIZE",
+                     help="bytes to give the KV-cache pool, e.g. 2GiB; the pool sizes itself from the "
+                          "cache owners only, so sharing turns into more blocks")
+    mem.add_argument("--num-blocks", type=_positive_int, default=None,
+                     help="exact number of KV-cache blocks to allocate (instead of --memory)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="most sequences batched in one step (continuous batching width)")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="most tokens processed in one step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + completion accepted (default: the model's max positions)")
+    g.add_argument("--no-share-kv-cache", dest="share_kv_cache", action="store_false", default=True,
+                   help="give every compressed layer its own cache copy (to measure what sharing saves)")
+    g.add_argument("--no-quantize", dest="quantize", action="store_false", default=True,
+                   help="turn off the FP8/FP4 cache and activation fake-quantisation the checkpoint was "
+                        "trained with")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for random weights (when no checkpoint ships) and for sampling")
+
+
+# flag dest -> engine keyword
+_ENGINE_KEYS = {
+    "dtype": "dtype",
+    "device": "device",
+    "block_size": "block_size",
+    "kv_format": "kv_format",
+    "memory": "gpu_memory_bytes",
+    "num_blocks": "num_blocks",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len",
+    "share_kv_cache": "share_kv_cache",
+    "quantize": "quantize",
+    "seed": "seed",
+}
+
+
+def _engine_fields() -> set[str] | None:
+    """Field names of the engine's `EngineArgs`, or None when it cannot be imported."""
+    try:
+        from kvshare.llm import EngineArgs
+    except ImportError:
+        try:
+            from kvshare.engine.engine import EngineArgs  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    if dataclasses.is_dataclass(EngineArgs):
+        return {f.name for f in dataclasses.fields(EngineArgs)}
+    return None
+
+
+def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for `LLM` / `LLMEngine`: `model` plus every engine flag the user set.
+
+    Boolean switches are passed only when turned off; keys the engine's `EngineArgs` does not
+    know are dropped (with `model` always kept).
+    """
+    kw: dict[str, Any] = {"model": getattr(args, "model", DEFAULT_MODEL)}
+    for dest, key in _ENGINE_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is None or value is True:
+            continue
+        kw[key] = value
+    known = _engine_fields()
+    if known is not None:
+        kw = {k: v for k, v in kw.items() if k == "model" or k in known}
+    return kw

@@ -1,0 +1,187 @@
+"""The FastAPI application: OpenAI-compatible routes over one engine loop.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or whole replies),
+GET /v1/models, GET /health, GET /metrics (Prometheus text). Every error reply is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status for bad input (malformed
+JSON, unknown model, invalid sampling values, too-long prompt, over the concurrency limit) and
+500 for an internal failure of one request, which leaves the server serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from kvshare.engine.sampling import SamplingParams
+from kvshare.server.engine_loop import EngineLoop
+from kvshare.server.errors import APIError, from_validation_error, internal_error
+from kvshare.server.generation import ServerState, generate
+from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("kvshare.server")
+
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_requests: int = 64,
+               max_model_len: int | None = None, default_max_tokens: int = 256) -> FastAPI:
+    """An app serving `engine` (an `LLMEngine`) under the model id `model_name`.
+
+    The engine loop thread starts with the app and stops with it.
+    """
+    loop = EngineLoop(engine)
+    state = ServerState(loop=loop, tokenizer=tokenizer, model_name=model_name,
+                        max_concurrent_requests=max_concurrent_requests, max_model_len=max_model_len,
+                        default_max_tokens=default_max_tokens, metrics=loop.metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="kvshare", lifespan=lifespan)
+    app.state.kvshare = state
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            return APIError(503, f"engine loop is not running: {loop.error!r}", code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)]).model_dump()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    @_guarded(state)
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        _check_model(state, req.model)
+        prompt = req.prompt
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            _check_ids(state, prompt)
+        params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
+        return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage)
+
+    @app.post("/v1/chat/completions")
+    @_guarded(state)
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        _check_model(state, req.model)
+        try:
+            conversation = req.conversation()
+            prompt_ids = list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from e
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
+        return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+        return APIError(400, str(e.errors()[:1]), code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+        code = "not_found" if e.status_code == 404 else None
+        return APIError(e.status_code, str(e.detail), code=code).response()
+
+
+
+def _guarded(state: ServerState) -> Callable[[Handler], Handler]:
+    """Turn an unexpected exception in a route into that request's 500 (the server keeps serving)."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                if e.status < 500:
+                    state.metrics.requests_rejected += 1
+                else:
+                    state.metrics.requests_failed += 1
+                return e.response()
+            except Exception as e:
+                log.exception("request failed")
+                state.metrics.requests_failed += 1
+                return internal_error(e).response()
+
+        return guarded
+
+    return wrap
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """The JSON body validated as `model`; 400 on malformed JSON or invalid fields."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the JSON body must be an object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{state.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def _check_ids(state: ServerState, ids: list[int]) -> None:
+    vocab = getattr(state.tokenizer, "vocab_size", None)
+    if vocab is not None and any(i >= vocab for i in ids):
+        raise APIError(400, f"prompt token ids must be < vocab_size {vocab}", param="prompt",
+                       code="invalid_value")
+
+
+def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_prompt: int, prompt_param: str) -> Any:
+    """Engine SamplingParams for `req`; 400 when the prompt leaves no room to generate."""
+    limit = state.max_model_len
+    if limit is not None and n_prompt >= limit:
+        raise APIError(400, f"the prompt has {n_prompt} tokens but this model's context is {limit} tokens; "
+                            "shorten the prompt", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = state.default_max_tokens
+        if limit is not None:
+            max_tokens = max(1, min(max_tokens, limit - n_prompt))
+    elif limit is not None and n_prompt + max_tokens > limit:
+        raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                            f"model's context of {limit} tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                          max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos)

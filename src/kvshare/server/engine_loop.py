@@ -1,0 +1,212 @@
+"""One engine loop serving every HTTP request concurrently.
+
+A background thread owns the `LLMEngine`: it is the only thread that calls into it. Request
+handlers (on the asyncio event loop) send it commands — add a request, abort a request — through a
+thread-safe queue, and receive each request's `RequestOutput`s through that request's own
+`asyncio.Queue`. Between commands the thread calls `engine.step()` while there is work, so all
+requests in flight are batched together by the engine's scheduler.
+
+Failure isolation: `add_request` errors go back to the one handler that asked. If `step()` itself
+raises, the requests that were in flight get the exception (each handler reports a 500), are
+aborted so their blocks are freed, and the loop carries on with new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare.server.metrics import ServerMetrics
+
+log = logging.getLogger("kvshare.server")
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue living on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a background thread and routes outputs to per-request queues.
+
+    Queue items are `RequestOutput`s; an `Exception` item means the request failed inside the
+    engine and will get no more outputs.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set if the thread itself dies
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="kvshare-engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; requests in flight are aborted."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- called from the event loop ----------------------------------------------------------
+
+    async def add(self, request_id: str, prompt: str | list[int], params: Any) -> asyncio.Queue:
+        """Add a request; return the queue its outputs arrive on.
+
+        Raises whatever `engine.add_request` raised (`RequestError` for bad input).
+        """
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        done: asyncio.Future = loop.create_future()
+        self._cmds.put(("add", request_id, prompt, params, _Stream(loop, q), done))
+        self._wake.set()
+        await done
+        return q
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when it already finished); its blocks are freed on the engine thread."""
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+            for rid in list(self._streams):
+                self._abort(rid)
+        except BaseException as e:  # the loop must never die silently
+            log.exception("engine loop crashed")
+            self.error = e
+            for rid in list(self._streams):
+                self._fail(rid, e)
+
+    def _drain_commands(self) -> None:
+        changed = False
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            changed = True
+            if cmd[0] == "add":
+                self._add(*cmd[1:])
+            else:
+                self._abort(cmd[1])
+        if changed:
+            self._refresh_stats()
+
+    def _add(self, rid: str, prompt: str | list[int], params: Any, stream: _Stream,
+             done: asyncio.Future) -> None:
+        try:
+            self.engine.add_request(rid, prompt, params)
+        except Exception as e:
+            _call(stream.loop, _resolve, done, e)
+            return
+        self._streams[rid] = stream
+        self.metrics.on_request_added()
+        if not _call(stream.loop, _resolve, done, None):
+            self._abort(rid)  # the client's event loop is gone
+
+    def _abort(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is None:
+            return  # already finished or never added
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # already finished inside the engine
+            log.debug("abort of %s: engine had nothing to abort", rid, exc_info=True)
+        self.metrics.on_request_done(aborted=True)
+
+    def _fail(self, rid: str, e: BaseException) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            _call(stream.loop, stream.queue.put_nowait, e)
+            self.metrics.on_request_done(aborted=True)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
+            for rid in list(self._streams):
+                self._fail(rid, e)
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    log.debug("abort after failed step of %s", rid, exc_info=True)
+            self._refresh_stats()
+            return
+        new_tokens = 0
+        for out in outputs:
+            new_tokens += len(getattr(out, "new_token_ids", None) or ())
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self.metrics.on_request_done(aborted=False)
+            if not _call(stream.loop, stream.queue.put_nowait, out) and not out.finished:
+                self._abort(out.request_id)
+        self.metrics.on_step(new_tokens, time.perf_counter() - t0)
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.metrics.engine_stats = self.engine.stats()
+        except Exception:
+            log.debug("engine.stats() failed", exc_info=True)
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    """Complete `fut` unless its waiter gave up (cancelled) already."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:
+    """Schedule `fn(*args)` on `loop` from this thread; False when the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False

@@ -1,0 +1,179 @@
+"""Serving one generation request: admission, the engine round trip, streaming or a whole reply.
+
+Every request holds one of `max_concurrent_requests` slots from admission until its response
+ends (finished, failed, or the client went away); a request past the limit gets a 429. A client
+that disconnects — mid-stream or while waiting for a whole reply — has its engine request
+aborted, which frees its cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvshare.errors import RequestError
+from kvshare.server.engine_loop import EngineLoop
+from kvshare.server.errors import APIError, internal_error
+from kvshare.server.metrics import ServerMetrics
+from kvshare.server.protocol import new_id
+from kvshare.server.responses import DONE, ResponseBuilder, TextDeltas
+
+log = logging.getLogger("kvshare.server")
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine loop, tokenizer, limits and counters."""
+
+    loop: EngineLoop
+    tokenizer: Any
+    model_name: str
+    max_concurrent_requests: int = 64
+    max_model_len: int | None = None
+    default_max_tokens: int = 256
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    active: int = 0
+
+
+class _Slot:
+    """One admitted request: releases its concurrency slot and aborts its engine request once."""
+
+    def __init__(self, state: ServerState) -> None:
+        if state.active >= state.max_concurrent_requests:
+            raise APIError(429, f"too many concurrent requests (limit {state.max_concurrent_requests}); "
+                                "retry later", code="rate_limit_exceeded")
+        self.state = state
+        self.request_id: str | None = None
+        self.finished = False
+        self._closed = False
+        state.active += 1
+        state.metrics.http_active = state.active
+
+    def close(self) -> None:
+        """Abort the engine request unless it finished, and free the slot (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.request_id is not None and not self.finished:
+            self.state.loop.abort(self.request_id)
+        self.state.active -= 1
+        self.state.metrics.http_active = self.state.active
+
+
+class _GuardedStream(StreamingResponse):
+    """A streaming response that always runs `on_close`, however the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its reply was ready."""
+
+
+async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
+                   stream: bool, include_usage: bool) -> Response:
+    """Run one request through the engine; reply with an SSE stream or one JSON body."""
+    slot = _Slot(state)
+    try:
+        rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        try:
+            queue = await state.loop.add(rid, prompt, params)
+        except RequestError as e:
+            raise APIError(400, str(e), param="prompt" if kind == "completion" else "messages",
+                           code="invalid_request") from e
+        except Exception as e:
+            log.exception("adding request %s failed", rid)
+            raise internal_error(e) from e
+        slot.request_id = rid
+        builder = ResponseBuilder(kind, rid, state.model_name)  # type: ignore[arg-type]
+        if stream:
+            return _GuardedStream(_events(state, slot, queue, builder, include_usage), slot.close)
+        try:
+            out = await _collect(slot, queue, request)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(builder.full(out))
+    except BaseException:
+        slot.close()
+        raise
+    finally:
+        if not stream:
+            slot.close()
+
+
+async def _next_output(queue: asyncio.Queue, request: Request | None) -> Any:
+    """The next queue item; raises ClientGone when `request`'s client disconnects meanwhile."""
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                raise ClientGone() from None
+            continue
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+async def _collect(slot: _Slot, queue: asyncio.Queue, request: Request) -> Any:
+    """Wait for the final output of a non-streaming request."""
+    try:
+        while True:
+            out = await _next_output(queue, request)
+            if out.finished:
+                slot.finished = True
+                return out
+    except (ClientGone, APIError):
+        raise
+    except Exception as e:
+        slot.finished = True  # the engine loop already dropped it
+        raise internal_error(e) from e
+
+
+async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder: ResponseBuilder,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of one streaming request, ending with `data: [DONE]`.
+
+    Disconnects surface as cancellation of this generator; `_GuardedStream` then closes the slot,
+    which aborts the engine request.
+    """
+    deltas = TextDeltas()
+    if builder.kind == "chat":
+        yield builder.role_chunk()
+    try:
+        while True:
+            out = await _next_output(queue, None)
+            text = deltas.next(out)
+            if text:
+                yield builder.delta_chunk(text)
+            if out.finished:
+                slot.finished = True
+                yield builder.finish_chunk(out.finish_reason)
+                if include_usage:
+                    yield builder.usage_chunk(out)
+                break
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the engine failed this request: report it in-stream
+        slot.finished = True
+        state.metrics.requests_failed += 1
+        log.error("request %s failed mid-stream: %s", builder.response_id, e)
+        yield internal_error(e).sse()
+    yield DONE

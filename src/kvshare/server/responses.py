@@ -1,0 +1,116 @@
+"""OpenAI response bodies and stream chunks, built from kvshare's `RequestOutput`s."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvshare.server.protocol import Usage, now
+
+Kind = Literal["completion", "chat"]
+
+
+def usage_of(out: Any) -> Usage:
+    """Prompt / completion token counts of a (final) `RequestOutput`."""
+    return Usage.of(len(out.prompt_token_ids), len(out.token_ids))
+
+
+def finish_reason_of(out: Any) -> str | None:
+    """OpenAI's finish_reason: "stop" or "length" (an abort reports "abort")."""
+    return out.finish_reason if out.finished else None
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds the bodies of one response: its id, model and creation time are fixed up front."""
+
+    kind: Kind
+    response_id: str
+    model: str
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = self.created or now()
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    # ---- whole responses ---------------------------------------------------------------------
+
+    def full(self, out: Any) -> dict[str, Any]:
+        """The non-streaming body for a finished request."""
+        reason = finish_reason_of(out)
+        if self.kind == "completion":
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+            body = self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                      "logprobs": None, "finish_reason": reason}
+            body = self._envelope("chat.completion", [choice])
+        body["usage"] = usage_of(out).model_dump()
+        return body
+
+    # ---- stream chunks -----------------------------------------------------------------------
+
+    def _chunk(self, delta_text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "completion":
+            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
+            return self._envelope("text_completion", [choice])
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if delta_text is not None:
+            delta["content"] = delta_text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def role_chunk(self) -> str:
+        """Chat streams open with the assistant role and empty content."""
+        return sse(self._chunk("", None, first=True))
+
+    def delta_chunk(self, text: str) -> str:
+        """New text."""
+        return sse(self._chunk(text, None))
+
+    def finish_chunk(self, reason: str | None) -> str:
+        """The chunk that carries finish_reason (no new text)."""
+        return sse(self._chunk(None if self.kind == "chat" else "", reason))
+
+    def usage_chunk(self, out: Any) -> str:
+        """`stream_options.include_usage`: a last chunk with no choices and the usage counts."""
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = self._envelope(obj, [])
+        body["usage"] = usage_of(out).model_dump()
+        return sse(body)
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class TextDeltas:
+    """Turns the cumulative `RequestOutput.text` into new-text deltas.
+
+    While the request runs, a trailing U+FFFD (half of a multi-byte character) is held back until
+    the character completes; the final output releases everything.
+    """
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def next(self, out: Any) -> str:
+        """The text of `out` not sent yet."""
+        text: str = out.text or ""
+        if not out.finished:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        delta = text[len(self.sent):]
+        self.sent = text
+        return delta
