@@ -14,16 +14,20 @@ from typing import Any
 
 DEFAULT_MODEL = "kvshare-mini-v41"
 
+# Same conventions as `kvshare plan --memory`: bare k/m/g/t and KiB/MiB/GiB/TiB are binary,
+# kB/MB/GB/TB decimal.
 _UNITS = {
     "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
 }
 
 
 def parse_bytes(text: str) -> int:
     """A byte count such as `4GiB`, `512MB`, `1.5e9` or `1048576`."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1e9)")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -124,3 +128,32 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
     if known is not None:
         kw = {k: v for k, v in kw.items() if k == "model" or k in known}
     return kw
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """An `LLMEngine` for the parsed engine flags."""
+    from kvshare.llm import LLMEngine
+
+    kw = engine_args_from(args)
+    model = kw.pop("model")
+    return LLMEngine(model, **kw)
+
+
+def tokenizer_of(engine: Any, model: str) -> Any:
+    """The engine's tokenizer, or the one `load_tokenizer` finds for `model`."""
+    tok = getattr(engine, "tokenizer", None)
+    if tok is not None:
+        return tok
+    from kvshare.tokenizer import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+def max_model_len_of(engine: Any) -> int | None:
+    """The longest prompt + completion the engine accepts, when it says."""
+    for owner in (engine, getattr(engine, "args", None), getattr(engine, "engine_args", None),
+                  getattr(engine, "config", None)):
+        v = getattr(owner, "max_model_len", None) if owner is not None else None
+        if isinstance(v, int):
+            return v
+    return None
