@@ -1,0 +1,94 @@
+"""Peer comparison: kvshare's paged engine vs transformers' `DeepseekV4ForCausalLM.generate`.
+
+Same V4 weights (kvshare's seeded random init, renamed for transformers), same equal-length
+random prompts, greedy decoding of the same number of tokens, quantisation off and the same
+dtype on both sides. Each side gets a short warm-up generation first. Per batch size the table
+gives prefill tokens/s, decode tokens/s, time per output token, the peak memory the run added
+(kvshare: engine construction incl. its block pool + the run; transformers: the run incl. its
+DynamicCache; the weights are resident for both and listed separately), whether the generated
+tokens are identical, and the kvshare / transformers ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvshare.bench.gen import GenResult, compare_tokens, equal_length_prompts
+from kvshare.bench.kv_runner import DTYPES, build_model, kv_run
+from kvshare.bench.report import Section, Target
+from kvshare.bench.sizes import BenchSizes, peer_v4_config
+from kvshare.config import ModelConfig
+
+TARGET_DECODE_RATIO = 3.0
+
+
+def _row(r: GenResult, same: Any) -> list[Any]:
+    return [r.batch, r.engine, r.prefill_tps, r.decode_tps, r.tpot_ms, r.memory.get("delta_rss", 0) / 2**20, same]
+
+
+def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = True) -> tuple[Section, dict[str, Any]]:
+    """Run the comparison; returns the section and kvshare's per-batch results (for bandwidth)."""
+    cfg = ModelConfig.from_dict(peer_v4_config(s))
+    model = build_model(cfg, s.seed, DTYPES[dtype], device)
+    n_params = sum(p.numel() for p in model.parameters())
+    hf = None
+    if with_peer:
+        from kvshare.bench.hf_peer import build_hf_model, hf_generate, hf_warmup
+
+        hf = build_hf_model(cfg, model.state_dict(), DTYPES[dtype], device)
+    sec = Section("peer", f"kvshare vs transformers, V4 {s.peer_layers} layers (ratios "
+                  f"{'/'.join(map(str, cfg.compress_ratios[:cfg.num_hidden_layers]))}), hidden {s.hidden}, "
+                  f"{n_params / 1e6:.1f}M params, {dtype}, prompt {s.prompt_len}, {s.new_tokens} new tokens",
+                  ["batch", "engine", "prefill tok/s", "decode tok/s", "TPOT ms", "peak +MiB", "tokens identical"])
+    kv_results: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    for b in s.batches:
+        prompts = equal_length_prompts(b, s.prompt_len, s.vocab, s.seed + b)
+        kv, engine = kv_run(model, prompts, s.new_tokens, block_size=s.block_size, dtype=dtype, device=device)
+        kv_results[str(b)] = {"result": kv, "engine": engine}
+        entry: dict[str, Any] = {"batch": b, "kvshare": kv.as_dict()}
+        if hf is not None:
+            hf_warmup(hf, prompts, device)
+            ref = hf_generate(hf, prompts, s.new_tokens, device)
+            cmp = compare_tokens(kv.tokens, ref.tokens)
+            entry.update(transformers=ref.as_dict(), tokens=cmp)
+            same = f"{cmp['sequences_identical']}/{cmp['sequences']}"
+            sec.rows.append(_row(kv, same))
+            sec.rows.append(_row(ref, same))
+            ratio = {"prefill": kv.prefill_tps / ref.prefill_tps, "decode": kv.decode_tps / ref.decode_tps,
+                     "tpot": kv.tpot_ms / ref.tpot_ms}
+            entry["ratio"] = ratio
+            sec.rows.append([b, "ratio kvshare/tf", ratio["prefill"], ratio["decode"], ratio["tpot"],
+                             "", "yes" if cmp["identical"] else "NO"])
+        else:
+            sec.rows.append(_row(kv, "n/a"))
+        runs.append(entry)
+        del engine
+    sec.data = {"config": cfg.to_dict(), "params": n_params,
+                "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "runs": runs}
+    big = max(s.batches)
+    last = next((r for r in runs if r["batch"] == big and "ratio" in r), None)
+    if last is not None:
+        sec.targets.append(Target(f"decode tok/s at batch {big}, kvshare / transformers",
+                                  last["ratio"]["decode"], TARGET_DECODE_RATIO, ">="))
+    sec.notes.append(f"weights: {sec.data['weights_bytes'] / 2**20:.0f} MiB per engine (not in 'peak +MiB')")
+    sec.plot = _plot
+    kv_results["model"] = model
+    kv_results["cfg"] = cfg
+    return sec, kv_results
+
+
+def _plot(ax: Any, s: Section) -> None:
+    runs = s.data["runs"]
+    xs = list(range(len(runs)))
+    kv = [r["kvshare"]["decode_tok_s"] for r in runs]
+    ax.bar([x - 0.2 for x in xs], kv, width=0.4, label="kvshare")
+    if runs and "transformers" in runs[0]:
+        tf = [r["transformers"]["decode_tok_s"] for r in runs]
+        ax.bar([x + 0.2 for x in xs], tf, width=0.4, label="transformers")
+        for x, r in zip(xs, runs):
+            ax.annotate(f"{r['ratio']['decode']:.2f}x", (x, max(r['kvshare']['decode_tok_s'],
+                        r['transformers']['decode_tok_s'])), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(xs, [f"batch {r['batch']}" for r in runs])
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()

@@ -1,0 +1,128 @@
+"""Sharing on vs off for a V4.1-shaped model (``EngineArgs.share_kv_cache`` True / False).
+
+Per mode:
+
+* cache bytes per token of the engine's block pool, asserted equal to the planner's
+  (`kvshare plan`, i.e. ``kvshare.cli.plan.build_plan``) for the same formats and block size,
+  and the on/off ratio asserted equal to the planner's saving factor;
+* the largest number of concurrent sequences of `sharing_context` tokens that fit in a pool of
+  `pool_mib` MiB: the planner's answer (per-sequence rings are reserved per sequence slot, then
+  whole blocks), checked against the blocks the engine actually allocates for that budget;
+* the median decode step time of `sharing_batch` sequences at `sharing_context` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from kvshare.bench.gen import equal_length_prompts
+from kvshare.bench.kv_runner import engine_layout, kv_generate, make_engine
+from kvshare.bench.report import Section, Target
+from kvshare.bench.sizes import BenchSizes, v41_config
+
+TARGET_STEP_RATIO = 0.85
+
+
+def planner(cfg_dict: dict[str, Any], block_size: int, layout: Any, share: bool, memory: int | None = None,
+            max_seqs: int = 1) -> dict[str, Any]:
+    """`kvshare plan`'s numbers for this config, formats and block size."""
+    from kvshare.cli.plan import build_plan
+
+    ns = argparse.Namespace(config=cfg_dict, block_size=block_size, kv_format=layout.kv_format.name,
+                            index_format=layout.index_format.name, window_format=layout.window_format.name,
+                            memory=memory, max_seqs=max_seqs, no_share=not share)
+    return build_plan(ns)["layout"]
+
+
+def max_sequences(cfg_dict: dict[str, Any], block_size: int, layout: Any, share: bool, memory: int,
+                  context: int) -> int:
+    """Largest n such that n sequences of `context` tokens fit in `memory` bytes (planner arithmetic)."""
+    per_seq = math.ceil(context / block_size)
+    best, n = 0, 1
+    while True:
+        plan = planner(cfg_dict, block_size, layout, share, memory, n)["memory"]
+        usable = max(0, plan["blocks"] - 1)  # block 0 is the null block
+        if usable < n * per_seq:
+            return best
+        best, n = n, n + 1
+        if n > 1_000_000:
+            return best
+
+
+def engine_blocks(engine: Any) -> int:
+    """Usable blocks of the engine's pool (the null block excluded)."""
+    return int(engine.stats().num_blocks_total)
+
+
+def sharing_section(s: BenchSizes, model_for: Any, *, dtype: str, device: str) -> Section:
+    """Run both modes; `model_for(share)` returns the model to serve with that mode."""
+    cfg_dict = v41_config(s)
+    ctx, b = s.sharing_context, s.sharing_batch
+    memory = s.pool_mib * 2**20
+    sec = Section("sharing", f"Cross-layer KV sharing on vs off, V4.1-shaped {s.v41_layers} layers, "
+                  f"{b} sequences x {ctx} tokens, pool {s.pool_mib} MiB",
+                  ["mode", "cache B/token", "planner B/token", "max seqs @ctx in pool", "decode step ms"])
+    modes: dict[str, dict[str, Any]] = {}
+    for share in (True, False):
+        model = model_for(share)
+        prompts = equal_length_prompts(b, ctx, s.vocab, s.seed + 7)
+        warm = make_engine(model, batch=b, max_len=ctx + s.context_steps + 1, block_size=s.block_size,
+                           dtype=dtype, device=device, share_kv_cache=share,
+                           max_batched_tokens=min(b * ctx, s.prefill_chunk))
+        kv_generate(warm, prompts[:, : min(ctx, 32)], 2, device, tag="w")
+        del warm
+        engine = make_engine(model, batch=b, max_len=ctx + s.context_steps + 1, block_size=s.block_size,
+                             dtype=dtype, device=device, share_kv_cache=share,
+                             max_batched_tokens=min(b * ctx, s.prefill_chunk))
+        res = kv_generate(engine, prompts, s.context_steps + 1, device)
+        layout = engine_layout(engine)
+        plan = planner(cfg_dict, s.block_size, layout, share)
+        assert layout.bytes_per_token == plan["bytes_per_token"], (
+            f"engine {layout.bytes_per_token} B/token != planner {plan['bytes_per_token']} (share={share})")
+        n_max = max_sequences(cfg_dict, s.block_size, layout, share, memory, ctx)
+        check = make_engine(model, batch=max(n_max, 1), max_len=ctx, block_size=s.block_size, dtype=dtype,
+                            device=device, share_kv_cache=share, memory_bytes=memory,
+                            max_batched_tokens=s.prefill_chunk)
+        blocks = engine_blocks(check)
+        per_seq = math.ceil(ctx / s.block_size)
+        assert blocks >= n_max * per_seq, f"engine pool of {blocks} blocks holds fewer than {n_max} sequences"
+        del check
+        modes["on" if share else "off"] = {
+            "bytes_per_token": layout.bytes_per_token, "planner": plan, "max_seqs": n_max,
+            "engine_blocks_for_pool": blocks, "decode": res.decode.as_dict(), "step_s": res.decode.median,
+            "layout_id": layout.layout_id}
+        sec.rows.append(["sharing on" if share else "sharing off", layout.bytes_per_token,
+                         plan["bytes_per_token"], n_max, res.decode.median * 1e3])
+        del engine
+    on, off = modes["on"], modes["off"]
+    factor = off["bytes_per_token"] / on["bytes_per_token"]
+    planner_factor = on["planner"]["saving_factor"]
+    assert math.isclose(factor, planner_factor, rel_tol=1e-12), f"on/off {factor} != planner {planner_factor}"
+    sec.rows.append(["ratio off/on", factor, planner_factor, off["max_seqs"] and on["max_seqs"] / off["max_seqs"],
+                     off["step_s"] / on["step_s"]])
+    sec.data = {"modes": modes, "bytes_factor": factor, "planner_factor": planner_factor, "context": ctx,
+                "batch": b, "pool_bytes": memory}
+    sec.targets.append(Target("bytes/token off / on = planner factor", factor, planner_factor, "=="))
+    sec.targets.append(Target("decode step on / off", on["step_s"] / off["step_s"], TARGET_STEP_RATIO, "<="))
+    sec.notes.append("ratio row: bytes and step time are off/on; max seqs is on/off")
+    sec.plot = _plot
+    return sec
+
+
+def _plot(ax: Any, s: Section) -> None:
+    m = s.data["modes"]
+    names = ["B/token", "max seqs", "step ms"]
+    on = [m["on"]["bytes_per_token"], m["on"]["max_seqs"], m["on"]["step_s"] * 1e3]
+    off = [m["off"]["bytes_per_token"], m["off"]["max_seqs"], m["off"]["step_s"] * 1e3]
+    rel_on = [a / b if b else 0 for a, b in zip(on, off)]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [1.0] * len(names), width=0.4, label="sharing off (=1)")
+    ax.bar([x + 0.2 for x in xs], rel_on, width=0.4, label="sharing on")
+    for x, r, v in zip(xs, rel_on, on):
+        ax.annotate(f"{r:.2f}x\n({v:,.0f})", (x + 0.2, r), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("relative to sharing off")
+    ax.legend(fontsize=8)
+

@@ -1,0 +1,50 @@
+"""`kvshare bench [peer|sharing|context|bandwidth|all] [--quick] [size flags]`.
+
+Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
+transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
+``--out-dir`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvshare.bench.sizes import add_size_flags
+
+SECTIONS = ("peer", "sharing", "context", "bandwidth", "all")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `bench` subcommand."""
+    p = subparsers.add_parser(
+        "bench", help="measure kvshare against transformers, sharing on/off, context scaling, bandwidth",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", nargs="?", default="all", choices=SECTIONS, help="benchmark to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run of a few seconds)")
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"),
+                   help="where JSON, markdown and plots go (default: benchmarks/results)")
+    p.add_argument("--name", default=None,
+                   help="file stem of the outputs (default: bench-<which>[-quick])")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and activations of both engines (default: float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--no-peer", dest="peer", action="store_false", default=True,
+                   help="skip transformers in `peer` (kvshare numbers only)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", default=True, help="skip the PNG plots")
+    add_size_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected benchmarks; returns 0 (targets missed are reported, not failures)."""
+    from kvshare.bench.suite import BenchOptions, run_suite
+    from kvshare.bench.sizes import sizes_from_args
+
+    opts = BenchOptions(
+        which=args.which, sizes=sizes_from_args(args), device=args.device, dtype=args.dtype,
+        threads=args.threads, peer=args.peer, plots=args.plots, out_dir=args.out_dir,
+        name=args.name or f"bench-{args.which}{'-quick' if args.quick else ''}", quick=args.quick)
+    run_suite(opts)
+    return 0
