@@ -1,0 +1,116 @@
+"""One layer's attention (spec/model.md §3, §4.3–4.7): queries, window, compressed branch, output.
+
+Order within a layer with ratio > 0 (§3), so that a query can select an entry created in the same
+step:
+
+1. kv source: compress this step's tokens -> pre-RoPE latents of completed groups;
+2. index source: (owner) index keys from those latents are written; score against the static
+   owner's index keys; candidates; top-k; publish. Other layers take their index source's top-k;
+3. kv source: RoPE + quantise the latents and write them into every region that reads them;
+4. read the selected compressed rows from ``topo.kv_cache_of(layer)`` (after the write);
+5. attend over the window (own ring, depth W) plus the selected rows, with the per-head sink;
+   inverse RoPE at the query position; grouped ``wo_a`` then ``wo_b``.
+
+V4 ratio-128 layers have no indexer and attend to every causal compressed entry.
+
+Checkpoint names: ``wq_a``, ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm``, ``wo_a``, ``wo_b``
+(``.weight``), ``attn_sink``, ``compressor.*`` (kv sources), ``indexer.*`` (index sources).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshare.config import ModelConfig
+from kvshare.model.compressor import Compressor, Emitted
+from kvshare.model.context import StepContext
+from kvshare.model.indexer import Indexer
+from kvshare.model.linear import QLinear, plain_linear
+from kvshare.model.norm import RMSNorm, rms_normalize
+from kvshare.model.quantize import KVQuantizer, QuantMode
+from kvshare.ops import causal_mask, sparse_attention
+from kvshare.topology import Topology
+
+
+class Attention(nn.Module):
+    """Attention of backbone layer `layer`, wired by its LayerPlan."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, layer: int, mode: QuantMode,
+                 quantizer: KVQuantizer) -> None:
+        super().__init__()
+        plan = topo[layer]
+        self.cfg, self.topo, self.plan, self.quantizer = cfg, topo, plan, quantizer
+        self.layer, self.ratio = layer, plan.ratio
+        d, h, blk = cfg.head_dim, cfg.num_attention_heads, cfg.act_quant_block
+        self.n_heads, self.head_dim = h, d
+        self.wq_a = QLinear(cfg.hidden_size, cfg.q_lora_rank, mode, blk)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = QLinear(cfg.q_lora_rank, h * d, mode, blk)
+        self.wkv = QLinear(cfg.hidden_size, d, mode, blk)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = plain_linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = QLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, mode, blk)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        if plan.is_kv_source:
+            v4 = cfg.arch == "v4"
+            self.compressor = Compressor(cfg.hidden_size, d, plan.ratio, cfg.rms_norm_eps,
+                                         overlap=v4 and plan.ratio == 4, ape=v4)
+            readers = topo.kv_cache_readers(layer)
+            self.kv_targets = tuple(sorted({topo.kv_cache_of(r) for r in readers}))
+        if plan.is_index_source:
+            self.indexer = Indexer(cfg, topo, plan, mode, quantizer)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t = x.shape[0]
+        pos = ctx.positions
+        rope = ctx.rope_for(self.ratio)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
+        if self.cfg.arch == "v4":
+            q = rms_normalize(q, self.cfg.rms_norm_eps).to(q.dtype)
+        q = rope.rotate(q, pos)
+
+        kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos))
+        win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, ctx.batch)
+        if self.ratio > 0:
+            comp, comp_valid = self._compressed(ctx, x, qr)
+            win = torch.cat([win, comp.to(win.dtype)], dim=1)
+            win_valid = torch.cat([win_valid, comp_valid], dim=1)
+
+        o = sparse_attention(q, win, win_valid, self.attn_sink, self.head_dim**-0.5)
+        o = rope.rotate(o, pos, inverse=True)
+        g = self.cfg.o_groups
+        wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
+        u = torch.einsum("tgi,goi->tgo", o.reshape(t, g, -1), wo_a).flatten(1)
+        return self.wo_b(u)
+
+    def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-4 of the module doc: ([T, M, d] compressed rows, [T, M] validity)."""
+        plan, batch = self.plan, ctx.batch
+        new: Emitted | None = self.compressor(x, ctx, self.layer) if plan.is_kv_source else None
+
+        topk = None
+        if plan.is_index_source:
+            self.indexer.write_keys(ctx, x, new)
+            topk = self.indexer.select(ctx, x, qr)
+            ctx.state.publish_topk(self.layer, topk)
+        elif plan.index_source is not None:
+            topk = ctx.state.topk_of(plan.index_source, self.layer)
+
+        if new is not None and new.j.numel():
+            lat = ctx.rope_compress.rotate(new.latent, new.positions(self.ratio))
+            lat = self.quantizer.compressed(lat)
+            for target in self.kv_targets:
+                ctx.cache.write_rows("kv", target, new.seq, new.j, lat, batch)
+
+        owner = self.topo.kv_cache_of(self.layer)
+        if topk is not None:
+            seq = ctx.seq_index.unsqueeze(1).expand_as(topk)
+            return ctx.cache.gather_rows("kv", owner, seq, topk, batch), topk >= 0
+        # V4 HCA: every causal compressed entry.
+        n_rows = torch.div(batch.ends, self.ratio, rounding_mode="floor")
+        rows, valid = ctx.cache.gather_prefix("kv", owner, n_rows, batch)
+        compress_len = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
+        valid = valid[ctx.seq_index] & causal_mask(rows.shape[1], compress_len)
+        return rows[ctx.seq_index], valid

@@ -1,0 +1,40 @@
+"""StepContext: everything one forward step threads through the layers (never global)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshare.model.rope import RotaryEmbedding
+from kvshare.runtime import CacheBackend, StepBatch, StepState
+
+
+@dataclass
+class StepContext:
+    """Per-step inputs and hand-offs.
+
+    Invariants: ``positions`` and ``seq_index`` are ``batch.positions`` / ``batch.seq_index``;
+    ``state`` is fresh for this step; ``ties`` (when not None) collects ``(layer, kind, rows)``
+    for every top-k whose boundary was an exact tie (kind "index" or "candidates").
+    """
+
+    batch: StepBatch
+    cache: CacheBackend
+    state: StepState
+    input_ids: torch.Tensor
+    rope_main: RotaryEmbedding
+    rope_compress: RotaryEmbedding
+    ties: list[tuple[int, str, int]] | None = field(default=None)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.batch.positions
+
+    @property
+    def seq_index(self) -> torch.Tensor:
+        return self.batch.seq_index
+
+    def rope_for(self, ratio: int) -> RotaryEmbedding:
+        """Ratio-0 layers use the main table; every ratio > 0 layer the compress (YaRN) table."""
+        return self.rope_main if ratio == 0 else self.rope_compress

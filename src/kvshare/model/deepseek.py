@@ -1,0 +1,157 @@
+"""The DeepSeek-V4 / V4.1 backbone: embedding, blocks (mHC + attention + MoE), final collapse, head.
+
+``Transformer(cfg, topo=None, quant=True)``; ``forward(input_ids [T], batch, cache) -> logits [R, V]``
+where R = ``batch.logit_rows`` (or all T rows). One implementation serves the dense reference
+cache and the paged engine: the model owns the math, the `CacheBackend` only stores and gathers.
+Cross-layer hand-offs live in a fresh `StepState` per forward.
+
+Parameter names equal DeepSeek's released checkpoint names (`embed.weight`, `layers.{L}.attn.*`,
+`layers.{L}.ffn.*`, `layers.{L}.{attn_norm,ffn_norm}.weight`, `layers.{L}.hc_{attn,ffn}_{fn,base,scale}`,
+`norm.weight`, `head.weight`, V4 `hc_head_{fn,base,scale}`). Draft (MTP / DSpark) layers are not
+built. Engram is not implemented: a config with `engram_layer_ids` is refused here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvshare.config import ModelConfig
+from kvshare.errors import ConfigError
+from kvshare.model.attention import Attention
+from kvshare.model.context import StepContext
+from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
+from kvshare.model.moe import MoE
+from kvshare.model.norm import RMSNorm
+from kvshare.model.quantize import KVQuantizer, QuantMode
+from kvshare.model.rope import RotaryEmbedding
+from kvshare.runtime import CacheBackend, StepBatch, StepState
+from kvshare.topology import Topology
+
+
+class Block(nn.Module):
+    """One backbone layer: mHC-wrapped attention sublayer, then mHC-wrapped MoE sublayer."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, layer: int, mode: QuantMode,
+                 quantizer: KVQuantizer) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.hidden_size
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, topo, layer, mode, quantizer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg, layer, mode)
+        for sub in ("attn", "ffn"):
+            setattr(self, f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, width)))
+            setattr(self, f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
+            setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
+
+    def _mix(self, sub: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return hc_mix(h, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
+                      getattr(self, f"hc_{sub}_scale"), rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
+                      iters=cfg.hc_sinkhorn_iters)
+
+    def forward(self, h: torch.Tensor, pre_prev: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(streams after the block, the `pre` the next sublayer collapses with in V4.1)."""
+        lagged = self.cfg.arch == "v41"
+        pre, post, comb = self._mix("attn", h)
+        x = hc_collapse(h, pre_prev if lagged else pre)
+        h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb)
+        pre_attn = pre
+        pre, post, comb = self._mix("ffn", h)
+        x = hc_collapse(h, pre_attn if lagged else pre)
+        h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb)
+        return h, pre
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4 / V4.1 backbone over a ragged `StepBatch` (see module doc)."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology | None = None, quant: bool | QuantMode = True) -> None:
+        super().__init__()
+        if cfg.engram_layer_ids:
+            raise ConfigError(f"Engram (layers {list(cfg.engram_layer_ids)}) is not implemented by the model",
+                              field="engram_layer_ids", fix="use a config without Engram layers")
+        self.cfg = cfg
+        self.topo = topo if topo is not None else Topology(cfg)
+        self.quant = QuantMode.of(quant)
+        self.quantizer = KVQuantizer(cfg, self.quant)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, self.topo, layer, self.quant, self.quantizer)
+                                    for layer in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.arch == "v4":
+            self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+            self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+            self.hc_head_scale = nn.Parameter(torch.ones(1))
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
+        self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
+        self.tie_log: list[tuple[int, str, int]] | None = None
+
+    def set_quant(self, quant: bool | QuantMode) -> None:
+        """Switch fake-quantisation for subsequent forwards (all modules share one QuantMode)."""
+        new = QuantMode.of(quant)
+        self.quant.cache, self.quant.index, self.quant.act = new.cache, new.index, new.act
+
+    def record_ties(self, on: bool = True) -> None:
+        """Start (or stop) collecting exact top-k boundary ties into `tie_log` (layer, kind, rows)."""
+        self.tie_log = [] if on else None
+
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend) -> torch.Tensor:
+        """Logits [R, vocab] (fp32) for R = batch.logit_rows, or every token row."""
+        cfg = self.cfg
+        ctx = StepContext(batch, cache, StepState(), input_ids, self.rope_main, self.rope_compress, self.tie_log)
+        x = self.embed(input_ids)
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = identity_pre(h.shape[0], cfg.hc_mult, h.device) if cfg.arch == "v41" else None
+        for block in self.layers:
+            h, pre = block(h, pre, ctx)
+        if batch.logit_rows is not None:
+            h = h[batch.logit_rows]
+            pre = pre[batch.logit_rows] if pre is not None else None
+        if cfg.arch == "v4":
+            pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
+                              rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        return self.head(self.norm(hc_collapse(h, pre))).float()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> "Transformer":
+        """Deterministic random weights with unit-scale activations, for tiny tests (CPU generator).
+
+        Linear weights ~ N(0, 1/in); norms 1; sinks, APE, gate bias ~ N(0, 0.1..0.5); mHC `fn` small so
+        the mixes are O(1); `base` random so streams differ; hash tables random distinct experts.
+        """
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "weight" and p.dim() == 1:
+                val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+            elif name == "embed.weight":
+                val = torch.randn(p.shape, generator=g)
+            elif leaf == "weight":
+                val = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
+            elif leaf == "attn_sink":
+                val = 0.5 * torch.randn(p.shape, generator=g)
+            elif leaf in ("ape", "bias"):
+                val = 0.3 * torch.randn(p.shape, generator=g)
+            elif leaf.endswith("_fn"):
+                val = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
+            elif leaf.endswith("_base"):
+                val = 0.5 * torch.randn(p.shape, generator=g)
+            elif leaf.endswith("_scale"):
+                val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+            else:
+                raise RuntimeError(f"init_weights: no rule for parameter {name}")
+            p.copy_(val.to(p.dtype))
+        for name, buf in self.named_buffers():
+            if name.endswith("tid2eid"):
+                n_exp = self.cfg.n_routed_experts
+                perm = torch.argsort(torch.rand(buf.shape[0], n_exp, generator=g), dim=1)
+                buf.copy_(perm[:, : buf.shape[1]])
+        return self

@@ -1,0 +1,99 @@
+"""DenseCache: the reference `CacheBackend` with plain per-slot tensors.
+
+Storage, allocated lazily on first use:
+
+* history rings ``(name, layer) -> [num_slots, depth, w]``: position p of a slot lives in row
+  ``p % depth``; the dtype is that of the first values stored (fp32 for compressor states);
+* compressed rows ``(kind, layer) -> [num_slots, max_len // ratio(layer), w]`` in `dtype`
+  ("kv": post-RoPE latents, "index_k": index keys), addressed by (slot, compressed index).
+
+Invariant: a sequence's history must be fed in position order, chunk after chunk, in the same
+slot (a new sequence starting at position 0 may reuse a slot without clearing it: rows of
+positions < 0 are never read, and compressed rows are rewritten before they become visible).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.config import ModelConfig
+from kvshare.runtime import StepBatch
+from kvshare.topology import Topology
+
+
+class DenseCache:
+    """Plain-tensor `CacheBackend` for up to `num_slots` sequences of at most `max_len` tokens."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, num_slots: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.cfg, self.topo = cfg, topo
+        self.num_slots, self.max_len = num_slots, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rings: dict[tuple[str, int], torch.Tensor] = {}
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+
+    # ---- history rings -------------------------------------------------------------------
+    def history(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (name, layer)
+        ring = self.rings.get(key)
+        if ring is None:
+            ring = torch.zeros(self.num_slots, depth, values.shape[-1], dtype=values.dtype, device=self.device)
+            self.rings[key] = ring
+        if rows is None:
+            rows = torch.arange(values.shape[0], device=values.device)
+        seq = batch.seq_index[rows]
+        want = batch.positions[rows].unsqueeze(1) - depth + 1 + torch.arange(depth, device=values.device)
+        start = batch.starts[seq].unsqueeze(1)
+        in_step = want >= start
+        step_row = (batch.cu_seqlens[seq].unsqueeze(1) + want - start).clamp(min=0, max=max(values.shape[0] - 1, 0))
+        slot = batch.slots[seq].unsqueeze(1).expand_as(want)
+        from_ring = ring[slot, want.remainder(depth)]
+        out = torch.where(in_step.unsqueeze(-1), values[step_row], from_ring.to(values.dtype))
+        valid = want >= 0
+        out = out.masked_fill(~valid.unsqueeze(-1), 0)
+
+        keep = batch.positions >= (batch.ends[batch.seq_index] - depth)
+        ring[batch.slots[batch.seq_index[keep]], batch.positions[keep] % depth] = values[keep].detach().to(ring.dtype)
+        return out, valid
+
+    # ---- compressed rows -----------------------------------------------------------------
+    def _table(self, kind: str, layer: int, width: int | None) -> torch.Tensor | None:
+        key = (kind, layer)
+        t = self.rows.get(key)
+        if t is None and width is not None:
+            n = self.max_len // max(self.cfg.compress_ratios[layer], 1)
+            t = torch.zeros(self.num_slots, n, width, dtype=self.dtype, device=self.device)
+            self.rows[key] = t
+        return t
+
+    def write_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                   batch: StepBatch) -> None:
+        table = self._table(kind, layer, values.shape[-1])
+        assert table is not None
+        if int(index.max()) >= table.shape[1]:
+            raise IndexError(f"compressed row {int(index.max())} of layer {layer} exceeds max_len {self.max_len}")
+        table[batch.slots[seq], index] = values.detach().to(table.dtype)
+
+    def _width(self, kind: str) -> int:
+        return self.cfg.head_dim if kind == "kv" else self.cfg.index_head_dim
+
+    def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
+                    batch: StepBatch) -> torch.Tensor:
+        table = self._table(kind, layer, self._width(kind))
+        assert table is not None
+        if seq.dim() < index.dim():
+            seq = seq.view(*seq.shape, *([1] * (index.dim() - seq.dim())))
+        slot = batch.slots[seq].expand_as(index)
+        out = table[slot, index.clamp(min=0)]
+        return out.masked_fill((index < 0).unsqueeze(-1), 0)
+
+    def gather_prefix(self, kind: str, layer: int, n_rows: torch.Tensor,
+                      batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table(kind, layer, self._width(kind))
+        assert table is not None
+        width = int(n_rows.max()) if n_rows.numel() else 0
+        j = torch.arange(width, device=n_rows.device)
+        valid = j.unsqueeze(0) < n_rows.unsqueeze(1)
+        out = table[batch.slots.unsqueeze(1), j.unsqueeze(0).expand(len(n_rows), -1)]
+        return out.masked_fill(~valid.unsqueeze(-1), 0), valid

@@ -1,0 +1,108 @@
+"""Lightning indexer (spec/model.md §4.6, §4.6.1, §9): index keys, scores, candidates, top-k.
+
+* Index keys (owners only). V4.1: ``k_norm(wk(latent))`` from the compressor's pre-RoPE latent;
+  V4: the indexer's own overlapping ratio-4 compressor of width `index_head_dim`. Then RoPE on
+  the trailing rope dims at the entry position, then FP4 (V4: Hadamard first). Written as
+  "index_k" rows into every cache region that reads this owner (one region when sharing).
+* Queries (every index source): ``wq_b(qr)`` -> [H_I, d_I], RoPE at t, FP4 (V4: Hadamard first).
+  Head weights ``weights_proj(x) * d_I^-0.5 * H_I^-0.5``.
+* Scores against rows [0, end // ratio) of the STATIC index-K owner's cache
+  (``topo.index_k_cache_of(layer)``; the corrected §9 behaviour, even on steps where the owner
+  wrote nothing), causal mask ``j < (t + 1) // ratio``.
+* The candidate source publishes its candidate mask from its unrestricted scores; later index
+  sources of the same ratio mask their scores with it; then deterministic top-k.
+
+Checkpoint names: ``wq_b.weight``, ``weights_proj.weight``; V4.1 owners ``wk.weight``,
+``k_norm.weight``; V4 ``compressor.{wkv,wgate,norm}.weight`` and ``compressor.ape``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshare.config import ModelConfig
+from kvshare.model.compressor import Compressor, Emitted
+from kvshare.model.context import StepContext
+from kvshare.model.linear import QLinear, plain_linear
+from kvshare.model.norm import RMSNorm
+from kvshare.model.quantize import KVQuantizer, QuantMode
+from kvshare.ops import (block_scores, boundary_ties, candidate_block_mask, causal_mask, index_scores,
+                         select_topk)
+from kvshare.topology import LayerPlan, Topology
+
+
+class Indexer(nn.Module):
+    """The indexer of one index-source layer."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, plan: LayerPlan, mode: QuantMode,
+                 quantizer: KVQuantizer) -> None:
+        super().__init__()
+        self.cfg, self.plan, self.quantizer = cfg, plan, quantizer
+        self.layer, self.ratio = plan.layer, plan.ratio
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = QLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, mode, cfg.act_quant_block)
+        self.weights_proj = plain_linear(cfg.hidden_size, self.n_heads)
+        self.owns_keys = plan.is_index_k_source
+        if cfg.arch == "v41" and self.owns_keys:
+            self.wk = plain_linear(cfg.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.arch == "v4":
+            self.compressor = Compressor(cfg.hidden_size, self.head_dim, plan.ratio, cfg.rms_norm_eps,
+                                         overlap=plan.ratio == 4, ape=True, name="indexer_compressor")
+        self.key_cache = topo.index_k_cache_of(plan.layer)
+        self.key_targets: tuple[int, ...] = ()
+        if self.owns_keys:
+            readers = topo.index_k_cache_readers(plan.layer)
+            self.key_targets = tuple(sorted({topo.index_k_cache_of(r) for r in readers}))
+
+    # ---- index keys (owners) ---------------------------------------------------------------
+    def write_keys(self, ctx: StepContext, x: torch.Tensor, latent: Emitted | None) -> None:
+        """Compute this step's new index keys and store them (owners only; §3 step 2a)."""
+        if not self.owns_keys:
+            return
+        if self.cfg.arch == "v4":
+            new = self.compressor(x, ctx, self.layer)
+            keys = new.latent
+        else:
+            assert latent is not None, "a V4.1 index-K owner is always a kv source"
+            new = latent
+            keys = self.k_norm(self.wk(latent.latent))
+        if new.j.numel() == 0:
+            return
+        keys = ctx.rope_compress.rotate(keys, new.positions(self.ratio))
+        keys = self.quantizer.index(keys)
+        for target in self.key_targets:
+            ctx.cache.write_rows("index_k", target, new.seq, new.j, keys, ctx.batch)
+
+    # ---- selection ---------------------------------------------------------------------------
+    def select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """[T, index_topk] ascending compressed-entry picks per token row (-1 padded)."""
+        t = x.shape[0]
+        pos = ctx.positions
+        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
+        q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
+        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        n_rows = torch.div(ctx.batch.ends, self.ratio, rounding_mode="floor")
+        keys, _ = ctx.cache.gather_prefix("index_k", self.key_cache, n_rows, ctx.batch)
+        compress_len = torch.div(pos + 1, self.ratio, rounding_mode="floor")
+        scores = index_scores(q, w, keys, ctx.seq_index)
+        scores = scores.masked_fill(~causal_mask(scores.shape[1], compress_len), float("-inf"))
+        if self.plan.publishes_candidates:
+            cand = self.cfg.candidate_topk_blocks
+            mask = candidate_block_mask(scores, compress_len, self.cfg.candidate_block_size, cand)
+            ctx.state.publish_candidates(self.layer, mask)
+            if ctx.ties is not None:
+                blocks = block_scores(scores, self.cfg.candidate_block_size)
+                self._log_ties(ctx, "candidates", boundary_ties(blocks, cand))
+        if self.plan.uses_candidates:
+            mask = ctx.state.candidates_of(self.plan.candidate_source, self.layer)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        if ctx.ties is not None:
+            self._log_ties(ctx, "index", boundary_ties(scores, self.cfg.index_topk))
+        return select_topk(scores, compress_len, self.cfg.index_topk)
+
+    def _log_ties(self, ctx: StepContext, kind: str, rows: torch.Tensor) -> None:
+        n = int(rows.sum())
+        if n and ctx.ties is not None:
+            ctx.ties.append((self.layer, kind, n))

@@ -1,0 +1,63 @@
+"""Manifold-constrained hyper-connections, mHC (spec/model.md §7.1).
+
+The residual is `hc` parallel streams h [T, hc, D]. For one sublayer with parameters
+``fn`` [(2 + hc) * hc, hc * D], ``base`` [(2 + hc) * hc], ``scale`` [3]:
+
+1. ``m = fn . (flat(h) * rsqrt(mean(flat(h)^2) + rms_norm_eps))`` in fp32;
+2. ``pre = sigmoid(m[:hc] s0 + b[:hc]) + hc_eps``; ``post = 2 sigmoid(m[hc:2hc] s1 + b[hc:2hc])``;
+   ``comb = softmax(m[2hc:] s2 + b[2hc:] as hc x hc, last axis) + hc_eps``;
+3. Sinkhorn on comb: column-normalise, then (iters - 1) x (row, column); each division adds hc_eps;
+4. collapse ``x = sum_j pre_j h_j``; expand ``h'_k = post_k y + sum_j comb[j, k] h_j``.
+
+V4 collapses each sublayer with its own `pre` and ends with `hc_head` (sigmoid pre only).
+V4.1 collapses with the previous sublayer's `pre` (one-hot [1, 0, ...] for the first) and ends
+with the last sublayer's `pre`; the caller threads `pre` through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.model.norm import rms_normalize
+
+
+def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+           rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) in fp32 from streams h [T, hc, D]."""
+    t, hc, _ = h.shape
+    m = rms_normalize(h.reshape(t, -1), rms_eps) @ fn.float().t()
+    b, s = base.float(), scale.float()
+    pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
+    comb = torch.softmax((m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, D] = sum_j pre[:, j] h[:, j] (fp32 accumulate, cast to h's dtype)."""
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+
+
+def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """[T, hc, D]: h'_k = post_k y + sum_j comb[j, k] h_j."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb, h.float())
+    return (post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(h.dtype)
+
+
+def hc_head_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                rms_eps: float, hc_eps: float) -> torch.Tensor:
+    """V4 final `pre` [T, hc] = sigmoid(fn . norm(flat h) * scale + base) + hc_eps."""
+    t = h.shape[0]
+    m = rms_normalize(h.reshape(t, -1), rms_eps) @ fn.float().t()
+    return torch.sigmoid(m * scale.float() + base.float()) + hc_eps
+
+
+def identity_pre(t: int, hc: int, device: torch.device) -> torch.Tensor:
+    """V4.1's `pre` before the first sublayer: one-hot on stream 0, [T, hc] fp32."""
+    pre = torch.zeros(t, hc, device=device)
+    pre[:, 0] = 1.0
+    return pre

@@ -1,0 +1,108 @@
+"""Mixture of experts (spec/model.md §7.2): gate, routed SwiGLU experts, one shared expert.
+
+Gate: ``logits = x W^T`` in fp32 (V4.1 divides by `gate_temp`); scores = sqrt(softplus(logits))
+(or softmax / sigmoid). Selection = top-k of ``scores + bias`` (bias for selection only), ties
+toward the lower expert id (§13); V4 hash layers select ``tid2eid[token]`` instead. Weights = the
+unbiased scores of the picks, renormalised (V4: always, + 1e-20; V4.1: only when
+`norm_topk_prob` and k > 1, + 1e-20), times `routed_scaling_factor`.
+
+Experts: ``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))`` (no clamp when limit <= 0).
+Routed outputs are combined per token in a fixed order (k slots summed), so results do not depend
+on how tokens are grouped per expert.
+
+Checkpoint names: ``gate.weight``, ``gate.bias`` (non-hash), ``gate.tid2eid`` (V4 hash layers),
+``experts.{E}.{w1,w2,w3}.weight``, ``shared_experts.{w1,w2,w3}.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvshare.config import ModelConfig
+from kvshare.model.linear import QLinear
+from kvshare.model.quantize import QuantMode
+from kvshare.ops import stable_topk
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert with clamped gate/up (FP8/FP4 weights: inputs act-quantised)."""
+
+    def __init__(self, dim: int, inter: int, limit: float, mode: QuantMode, block: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = QLinear(dim, inter, mode, block)
+        self.w2 = QLinear(inter, dim, mode, block)
+        self.w3 = QLinear(dim, inter, mode, block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit > 0:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    """Router of one MoE layer. `hash_routed`: V4's frozen token -> experts table."""
+
+    def __init__(self, cfg: ModelConfig, hash_routed: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hash_routed = hash_routed
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k] int64)."""
+        cfg = self.cfg
+        logits = x.float() @ self.weight.float().t()
+        if cfg.arch == "v41" and cfg.gate_temp != 1.0:
+            logits = logits / cfg.gate_temp
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash_routed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            _, ids = stable_topk(scores + self.bias.float(), cfg.num_experts_per_tok)
+        weights = scores.gather(1, ids)
+        k = cfg.num_experts_per_tok
+        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, mode: QuantMode) -> None:
+        super().__init__()
+        inter, blk, lim = cfg.moe_intermediate_size, cfg.act_quant_block, cfg.swiglu_limit
+        self.gate = Gate(cfg, hash_routed=cfg.arch == "v4" and layer < cfg.num_hash_layers)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, lim, mode, blk)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.hidden_size, inter, lim, mode, blk)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        t, k = x.shape[0], self.gate.cfg.num_experts_per_tok
+        weights, ids = self.gate(x, input_ids)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                sel = order[start:start + n]
+                slots[sel] = self.experts[e](x[torch.div(sel, k, rounding_mode="floor")]).to(x.dtype)
+                start += n
+        routed = (slots.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)

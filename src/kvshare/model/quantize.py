@@ -1,0 +1,126 @@
+"""The model's fake-quantisation policy (spec/model.md §6): which tensors are rounded, and how.
+
+`QuantMode` is a small mutable switchboard shared by every module of one `Transformer`; flipping a
+field (``model.quant.cache = False``) takes effect on the next forward. With every field off the
+network is plain math (what transformers' DeepSeek-V4 computes).
+
+Rounding per architecture (all wrapped in `straight_through`, so training sees identity gradients):
+
+| tensor                      | V4.1                                   | V4                                   |
+|-----------------------------|----------------------------------------|--------------------------------------|
+| window KV (after RoPE)      | FP8 e4m3, all dims, block 32, ue8m0    | FP8 on the nope dims, block 64, ue8m0; rope dims untouched |
+| compressed KV (after RoPE)  | FP4 e2m1, block 16, e4m3 scales        | same as its window KV                |
+| index K and Q (after RoPE)  | FP4 e2m1, block 32, ue8m0              | Hadamard rotation, then the same FP4 |
+| GEMM inputs of FP8/FP4 weights | FP8 e4m3, block `cfg.act_quant_block`, ue8m0 | same                          |
+
+Block fitting (**kvshare decision**, only matters for tiny test models): a block that does not
+divide the quantised width is shrunk to the largest power of two dividing it, so e.g. a 16-wide
+latent uses FP8 blocks of 16 instead of 32. Real V4 / V4.1 widths always divide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.config import ModelConfig
+from kvshare.quant import fake_quant_fp4, fake_quant_fp8, straight_through
+
+
+@dataclass
+class QuantMode:
+    """Which fake-quant groups are on.
+
+    ``cache``: window and compressed KV rows; ``index``: index keys and queries (and V4's Hadamard);
+    ``act``: FP8 rounding of the inputs of FP8/FP4-weight GEMMs.
+    """
+
+    cache: bool = True
+    index: bool = True
+    act: bool = True
+
+    @classmethod
+    def of(cls, q: "bool | QuantMode") -> "QuantMode":
+        """`True` / `False` mean all on / all off; a QuantMode is copied."""
+        if isinstance(q, QuantMode):
+            return cls(q.cache, q.index, q.act)
+        return cls(bool(q), bool(q), bool(q))
+
+    @property
+    def any(self) -> bool:
+        return self.cache or self.index or self.act
+
+
+def fit_block(width: int, block: int) -> int:
+    """`block` if it divides `width`, else the largest power of two dividing `width` (at most `block`)."""
+    if width % block == 0:
+        return block
+    return math.gcd(width, block)
+
+
+def act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
+    """FP8 e4m3 (ue8m0 scales) rounding of a GEMM input along its last dim."""
+    b = fit_block(x.shape[-1], block)
+    return straight_through(lambda t: fake_quant_fp8(t, b, ue8m0=True), x)
+
+
+def hadamard_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix of size n (a power of two), scaled by n^-0.5."""
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * n**-0.5
+
+
+class KVQuantizer:
+    """Applies the §6 policy for one model; holds the shared `QuantMode`."""
+
+    def __init__(self, cfg: ModelConfig, mode: QuantMode) -> None:
+        self.cfg = cfg
+        self.mode = mode
+        d, rd = cfg.head_dim, cfg.qk_rope_head_dim
+        if cfg.arch == "v41":
+            self._win_block = fit_block(d, 32)
+            self._comp_block = fit_block(d, 16)
+        else:
+            self._win_block = fit_block(d - rd, 64) if d > rd else 0
+        self._idx_block = fit_block(cfg.index_head_dim, 32) if cfg.index_head_dim else 0
+        self._hadamard: torch.Tensor | None = None
+
+    def _v4_nope_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        rd = self.cfg.qk_rope_head_dim
+        if self._win_block == 0:
+            return x
+        nope = fake_quant_fp8(x[..., :-rd], self._win_block, ue8m0=True)
+        return torch.cat([nope, x[..., -rd:]], dim=-1)
+
+    def window(self, kv: torch.Tensor) -> torch.Tensor:
+        """Round a post-RoPE window KV row as it is stored."""
+        if not self.mode.cache:
+            return kv
+        if self.cfg.arch == "v41":
+            return straight_through(lambda t: fake_quant_fp8(t, self._win_block, ue8m0=True), kv)
+        return straight_through(self._v4_nope_fp8, kv)
+
+    def compressed(self, kv: torch.Tensor) -> torch.Tensor:
+        """Round a post-RoPE compressed latent as it is stored."""
+        if not self.mode.cache:
+            return kv
+        if self.cfg.arch == "v41":
+            return straight_through(lambda t: fake_quant_fp4(t, self._comp_block, "e4m3"), kv)
+        return straight_through(self._v4_nope_fp8, kv)
+
+    def index(self, x: torch.Tensor) -> torch.Tensor:
+        """Round a post-RoPE index key or query (V4: Hadamard-rotated first; q . k is unchanged by it)."""
+        if not self.mode.index:
+            return x
+        if self.cfg.arch == "v4":
+            n = x.shape[-1]
+            if self._hadamard is None or self._hadamard.device != x.device:
+                self._hadamard = hadamard_matrix(n, x.device)
+            x = (x.float() @ self._hadamard).to(x.dtype)
+        return straight_through(lambda t: fake_quant_fp4(t, self._idx_block, "ue8m0"), x)

@@ -1,0 +1,72 @@
+"""Interleaved partial RoPE with optional YaRN (spec/model.md §4.2).
+
+Only the TRAILING `qk_rope_head_dim` dims of a vector rotate; adjacent pairs (2i, 2i+1) of that
+tail are complex numbers multiplied by exp(i * pos * f_i). Ratio-0 layers use `rope_theta` without
+YaRN; every ratio > 0 layer (Full, Reindex and Reuse alike) uses `compress_rope_theta` with YaRN
+when the config has it. No YaRN magnitude scaling (mscale) is applied anywhere.
+
+Angles are computed on the fly in fp32 from the positions (no table of max_position_embeddings
+rows), the rotation runs in fp32 and the result is cast back to the input dtype once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvshare.config import YarnConfig
+
+
+def rope_frequencies(rope_dim: int, base: float, yarn: YarnConfig | None) -> torch.Tensor:
+    """f_i = base^(-2i / rope_dim) for i < rope_dim / 2, blended toward f_i / factor by the YaRN ramp.
+
+    YaRN: c(rot) = rope_dim * ln(orig / (2 pi rot)) / (2 ln base); low = max(floor(c(beta_fast)), 0);
+    high = min(ceil(c(beta_slow)), rope_dim - 1) (high += 0.001 when equal);
+    ramp_i = clamp((i - low) / (high - low), 0, 1); f_i' = f_i (1 - ramp_i) + (f_i / factor) ramp_i.
+    """
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    freqs = base ** (-2.0 * i / rope_dim)
+    if yarn is not None:
+        def corr(rot: float) -> float:
+            return rope_dim * math.log(yarn.original_max_position_embeddings / (rot * 2 * math.pi)) / (
+                2 * math.log(base))
+
+        low = max(math.floor(corr(yarn.beta_fast)), 0)
+        high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
+        freqs = freqs * (1 - ramp) + freqs / yarn.factor * ramp
+    return freqs.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the trailing `rope_dim` dims of a tensor at given positions.
+
+    The frequency buffer is not persistent, so it never appears in `state_dict()`.
+    """
+
+    def __init__(self, rope_dim: int, base: float, yarn: YarnConfig | None) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", rope_frequencies(rope_dim, base, yarn), persistent=False)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x[..., -rope_dim:] rotated by +angle (or -angle when `inverse`); other dims untouched.
+
+        `positions` matches x's leading dims (e.g. [T] for x [T, d] or x [T, H, d]); dims of x
+        between the positions' dims and the last are broadcast (heads).
+        """
+        rd = self.rope_dim
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)
+        extra = x.dim() - 1 - positions.dim()
+        angles = angles.view(*positions.shape, *([1] * extra), rd // 2)
+        cos, sin = angles.cos(), angles.sin()
+        if inverse:
+            sin = -sin
+        tail = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+        a, b = tail[..., 0], tail[..., 1]
+        rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+        return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)

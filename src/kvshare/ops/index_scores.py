@@ -1,0 +1,26 @@
+"""Lightning-indexer scores (spec/model.md §4.6): I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]).
+
+**kvshare decision (§13):** the dot products and the head sum are accumulated in fp64 and the
+result is rounded to fp32 once. Every product of two fp32 (or FP4-rounded) numbers is exact in
+fp64 and the fp64 sum's rounding error is far below fp32 resolution, so a row's scores do not
+depend on how many rows or keys share the batch (the kernel's reduction order no longer shows
+up after the final fp32 rounding). This keeps one-shot prefill, chunked prefill, decode and
+batched serving on the same selections.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def index_scores(
+    q: torch.Tensor,  # [T, H, d] index queries (post-RoPE, quantised as configured)
+    weights: torch.Tensor,  # [T, H] head weights, already scaled
+    keys: torch.Tensor,  # [N, L, d] index keys of each sequence
+    seq_index: torch.Tensor,  # [T] sequence of each query row
+) -> torch.Tensor:
+    """[T, L] fp32 scores of every query row against all L key rows of its own sequence."""
+    k = keys.double()[seq_index]  # [T, L, d]
+    dots = torch.einsum("thd,tld->thl", q.double(), k)
+    s = torch.einsum("thl,th->tl", torch.relu(dots), weights.double())
+    return s.float()
