@@ -101,12 +101,9 @@ _ENGINE_KEYS = {
 def _engine_fields() -> set[str] | None:
     """Field names of the engine's `EngineArgs`, or None when it cannot be imported."""
     try:
-        from kvshare.llm import EngineArgs
+        from kvshare.engine.args import EngineArgs
     except ImportError:
-        try:
-            from kvshare.engine.engine import EngineArgs  # type: ignore[no-redef]
-        except ImportError:
-            return None
+        return None
     if dataclasses.is_dataclass(EngineArgs):
         return {f.name for f in dataclasses.fields(EngineArgs)}
     return None
@@ -131,12 +128,13 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    """An `LLMEngine` for the parsed engine flags."""
-    from kvshare.llm import LLMEngine
+    """An `LLMEngine` for the parsed engine flags, with the model's tokenizer."""
+    from kvshare.engine.engine import LLMEngine
+    from kvshare.tokenizer import load_tokenizer
 
     kw = engine_args_from(args)
     model = kw.pop("model")
-    return LLMEngine(model, **kw)
+    return LLMEngine(model, tokenizer=load_tokenizer(model), **kw)
 
 
 def tokenizer_of(engine: Any, model: str) -> Any:

@@ -86,7 +86,7 @@ def stream_request(engine: Any, request_id: str, prompt: str | list[int], params
                    write: Callable[[str], None]) -> StreamResult:
     """Add one request, step the engine until it finishes, and `write` its text as it arrives."""
     engine.add_request(request_id, prompt, params)
-    deltas = TextDeltas()
+    deltas = TextDeltas(list(getattr(params, "stop", None) or []))
     start = time.perf_counter()
     first: float | None = None
     peak: int | None = None

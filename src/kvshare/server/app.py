@@ -76,7 +76,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         req = await _parse(request, CompletionRequest)
         _check_model(state, req.model)
         prompt = req.prompt
-        n_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt, add_bos=True))
         if isinstance(prompt, list):
             _check_ids(state, prompt)
         params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")

@@ -104,7 +104,8 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
         slot.request_id = rid
         builder = ResponseBuilder(kind, rid, state.model_name)  # type: ignore[arg-type]
         if stream:
-            return _GuardedStream(_events(state, slot, queue, builder, include_usage), slot.close)
+            events = _events(state, slot, queue, builder, include_usage, list(getattr(params, "stop", None) or []))
+            return _GuardedStream(events, slot.close)
         try:
             out = await _collect(slot, queue, request)
         except ClientGone:
@@ -148,13 +149,13 @@ async def _collect(slot: _Slot, queue: asyncio.Queue, request: Request) -> Any:
 
 
 async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder: ResponseBuilder,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, stop: list[str]) -> AsyncIterator[str]:
     """SSE events of one streaming request, ending with `data: [DONE]`.
 
     Disconnects surface as cancellation of this generator; `_GuardedStream` then closes the slot,
     which aborts the engine request.
     """
-    deltas = TextDeltas()
+    deltas = TextDeltas(stop)
     if builder.kind == "chat":
         yield builder.role_chunk()
     try:

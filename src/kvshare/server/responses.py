@@ -97,18 +97,34 @@ DONE = "data: [DONE]\n\n"
 class TextDeltas:
     """Turns the cumulative `RequestOutput.text` into new-text deltas.
 
-    While the request runs, a trailing U+FFFD (half of a multi-byte character) is held back until
-    the character completes; the final output releases everything.
+    While the request runs, text that may still change is held back: a trailing U+FFFD (half of
+    a multi-byte character) and a trailing piece that could be the start of a stop string (the
+    engine cuts the text before a stop string once it completes). The final output releases
+    the rest.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop: list[str] | None = None) -> None:
         self.sent = ""
+        self.stop = [s for s in (stop or []) if s]
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
 
     def next(self, out: Any) -> str:
         """The text of `out` not sent yet."""
         text: str = out.text or ""
         if not out.finished:
             text = text.rstrip("\ufffd")
+            hold = self._held_back(text)
+            if hold:
+                text = text[:-hold]
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
         delta = text[len(self.sent):]

@@ -1,0 +1,169 @@
+"""Bad input and failures get OpenAI error bodies with the right status; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvshare.cli.engine_args import tokenizer_of
+from kvshare.server.app import create_app
+from kvshare.server.background import BackgroundServer
+from kvshare.tokenizer import load_tokenizer
+
+MODEL = "tiny-v41"
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    from kvshare.engine.engine import LLMEngine
+
+    return LLMEngine(MODEL, tokenizer=load_tokenizer(MODEL), seed=0, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(engine: Any) -> Iterator[BackgroundServer]:
+    app = create_app(engine, tokenizer_of(engine, MODEL), MODEL, max_concurrent_requests=4,
+                     max_model_len=MAX_MODEL_LEN)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def post(server: BackgroundServer, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.base_url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=30)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("rate_limit_error" if status == 429 else
+                           "internal_error" if status >= 500 else "invalid_request_error")
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def still_serving(server: BackgroundServer) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "ok ", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+CASES = [
+    ("malformed json", "/v1/completions", '{"model": "tiny-v41", "prompt": ', 400, None, "invalid_json"),
+    ("not an object", "/v1/completions", "[1, 2]", 400, None, "invalid_json"),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt", "missing_parameter"),
+    ("negative temperature", "/v1/completions", {**OK, "temperature": -0.5}, 400, "temperature", None),
+    ("top_p zero", "/v1/completions", {**OK, "top_p": 0}, 400, "top_p", None),
+    ("top_p above one", "/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", None),
+    ("max_tokens zero", "/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", None),
+    ("n two", "/v1/completions", {**OK, "n": 2}, 400, "n", None),
+    ("top_k below -1", "/v1/completions", {**OK, "top_k": -3}, 400, "top_k", None),
+    ("wrong type", "/v1/completions", {**OK, "max_tokens": "many"}, 400, "max_tokens", None),
+    ("token id out of vocab", "/v1/completions", {**OK, "prompt": [1, 2, 99999]}, 400, "prompt", None),
+    ("too-long prompt", "/v1/completions", {**OK, "prompt": "x" * (MAX_MODEL_LEN + 10)}, 400, "prompt",
+     "context_length_exceeded"),
+    ("prompt + max_tokens too long", "/v1/completions", {**OK, "prompt": "x" * 100, "max_tokens": 100}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("chat without messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("chat bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+     400, None, None),
+    ("chat unknown model", "/v1/chat/completions",
+     {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
+    ("chat negative temperature", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature", None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server: BackgroundServer, name: str, path: str, body: Any, status: int, param: str | None,
+                   code: str | None) -> None:
+    assert_error(post(server, path, body), status, param, code)
+
+
+def test_bad_inputs_leave_server_serving(server: BackgroundServer) -> None:
+    for _, path, body, *_ in CASES:
+        post(server, path, body)
+    still_serving(server)
+
+
+def test_unknown_route_is_openai_404(server: BackgroundServer) -> None:
+    assert_error(httpx.get(server.base_url + "/v1/nothing"), 404)
+
+
+def test_openai_client_sees_typed_errors(server: BackgroundServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, top_p=2.0)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+
+
+def test_too_many_concurrent_requests_is_429(server: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": "s", "max_tokens": 100, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=30) as http:
+        streams = [http.stream("POST", server.base_url + "/v1/completions", json=body) for _ in range(4)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in responses)
+            assert_error(post(server, "/v1/completions", OK), 429, None, "rate_limit_exceeded")
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 20
+    while True:  # the aborted streams release their slots
+        r = post(server, "/v1/completions", {**OK, "temperature": 0})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+
+
+def test_internal_error_in_add_is_500_for_that_request(server: BackgroundServer, engine: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    real_add = engine.add_request
+
+    def add(request_id: str, prompt: Any, params: Any) -> None:
+        if prompt == "boom":
+            raise RuntimeError("injected failure")
+        real_add(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    assert_error(post(server, "/v1/completions", {**OK, "prompt": "boom"}), 500, None, "internal_error")
+    still_serving(server)
+
+
+def test_internal_error_in_step_fails_requests_in_flight_only(server: BackgroundServer, engine: Any,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    assert_error(post(server, "/v1/completions", {**OK, "max_tokens": 4}), 500, None, "internal_error")
+    with httpx.Client(timeout=30) as http:  # a stream that fails reports the error in-stream
+        calls["n"] = 0
+        r = http.post(server.base_url + "/v1/completions", json={**OK, "stream": True})
+        assert r.status_code == 200
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+    still_serving(server)
+    m = httpx.get(server.base_url + "/metrics").text
+    assert "kvshare_cache_blocks_used 0" in m
