@@ -45,7 +45,12 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
         input_ids, batch, sampling = self.build_batch(chunks)
-        logits = self.model(input_ids, batch, self.backend)
+        try:
+            logits = self.model(input_ids, batch, self.backend)
+        finally:
+            end = getattr(self.backend, "end_step", None)
+            if end is not None:
+                end()  # deferred ring updates, inside inference mode like the rings themselves
         if len(sampling) != len(chunks):
             logits = logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=logits.device))
         return logits.float(), sampling

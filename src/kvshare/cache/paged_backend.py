@@ -1,0 +1,122 @@
+"""PagedBackend: the runtime.CacheBackend over a BlockPool, a step's block tables and slots.
+
+Everything is batched tensor gathers / scatters over the whole step; no Python loop runs per token
+or per sequence.
+
+* ``history``: for each requested row (position p of sequence i) the window ``p-depth+1 .. p``;
+  positions ``>= starts[i]`` come from this step's values, earlier ones from slot ``slots[i]``'s
+  ring at ``q % depth``; ``q < 0`` is invalid (zeros, mask False). The ring update (the last
+  ``depth`` positions of each sequence) is deferred to ``end_step`` (or the next step), so several
+  calls for one (name, layer) in a step all read the pre-step ring.
+* compressed rows: row j of sequence i with ratio r is at block ``block_tables[i, (j*r)//B]``,
+  row ``((j*r) % B)//r`` (``blocks.compressed_row_address``). Invalid entries (j < 0, or past the
+  table) are redirected to the null block 0 and masked to zeros on read; -1 never indexes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.cache.blocks import compressed_row_address
+from kvshare.cache.formats import RowFormat
+from kvshare.cache.pool import BlockPool
+from kvshare.runtime import StepBatch
+
+
+def _pack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
+    return x.float() if fmt is None else fmt.pack(x)
+
+
+def _unpack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
+    return x if fmt is None else fmt.unpack(x)
+
+
+class PagedBackend:
+    def __init__(self, pool: BlockPool, fan_out: bool = False) -> None:
+        """`fan_out`: the model writes once per owner (shared topology) while the pool is unshared, so
+        every write is copied to each reader's region."""
+        self.pool = pool
+        self.fan_out = fan_out
+        self.block_size = pool.block_size
+        self._pending: list[tuple[torch.Tensor, RowFormat | None, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        self._pending_keys: set[tuple[str, int]] = set()
+        self._step: int | None = None
+
+    # ---- step boundaries -------------------------------------------------------------------------
+    def _begin(self, batch: StepBatch) -> None:
+        if self._step != id(batch):
+            self.end_step()
+            self._step = id(batch)
+
+    def end_step(self) -> None:
+        """Apply the deferred ring updates of the current step."""
+        for ring, fmt, values, slot, pos, depth in self._pending:
+            ring[slot, pos.remainder(depth)] = _pack(fmt, values).to(ring.dtype)
+        self._pending.clear()
+        self._pending_keys.clear()
+        self._step = None
+
+    # ---- history rings -----------------------------------------------------------------------------
+    def history(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._begin(batch)
+        ring, fmt = self.pool.ring(name, layer, depth, values.shape[-1])
+        t_all = values.shape[0]
+        if rows is None:
+            rows = torch.arange(t_all, device=values.device)
+        seq = batch.seq_index[rows]
+        p = batch.positions[rows]
+        q = p[:, None] - depth + 1 + torch.arange(depth, device=p.device)[None, :]  # [R, depth]
+        start = batch.starts[seq][:, None]
+        valid = q >= 0
+        in_step = q >= start
+        step_row = (batch.cu_seqlens[seq][:, None] + q - start).clamp(0, max(t_all - 1, 0))
+        slot = batch.slots[seq][:, None].expand_as(q)
+        stored = _unpack(fmt, ring[slot, q.remainder(depth)]).to(values.dtype)
+        out = torch.where(in_step[..., None], values[step_row], stored)
+        out = out.masked_fill(~valid[..., None], 0)
+        key = (name, layer)
+        if key not in self._pending_keys:
+            self._pending_keys.add(key)
+            keep = batch.positions >= (batch.ends - depth)[batch.seq_index]
+            idx = keep.nonzero().squeeze(1)
+            self._pending.append((ring, fmt, values[idx], batch.slots[batch.seq_index[idx]],
+                                  batch.positions[idx], depth))
+        return out, valid
+
+    # ---- compressed rows ------------------------------------------------------------------------------
+    def _address(self, layer: int, seq: torch.Tensor, index: torch.Tensor, batch: StepBatch):
+        if batch.block_tables is None:
+            raise ValueError("the paged backend needs batch.block_tables")
+        while seq.dim() < index.dim():
+            seq = seq.unsqueeze(-1)
+        return compressed_row_address(batch.block_tables, seq, index, self.pool.ratio(layer), self.block_size)
+
+    def write_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                   batch: StepBatch) -> None:
+        self._begin(batch)
+        targets = self.pool.write_targets(kind, layer) if self.fan_out else (self.pool.view(kind, layer),)
+        if index.numel() == 0:
+            return
+        block, row, _ = self._address(layer, seq, index, batch)  # invalid -> null block 0
+        packed = self.pool.formats[kind].pack(values)
+        for view in targets:  # one view when sharing; every reader's copy when not
+            view[block, row] = packed
+
+    def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
+                    batch: StepBatch) -> torch.Tensor:
+        self._begin(batch)
+        view = self.pool.view(kind, layer)
+        block, row, valid = self._address(layer, seq, index, batch)
+        rows = self.pool.formats[kind].unpack(view[block, row]).to(self.pool.dtype)
+        return rows.masked_fill(~valid[..., None], 0)
+
+    def gather_prefix(self, kind: str, layer: int, n_rows: torch.Tensor,
+                      batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        n = n_rows.shape[0]
+        width = int(n_rows.max()) if n else 0
+        j = torch.arange(width, device=n_rows.device)[None, :].expand(n, width)
+        mask = j < n_rows[:, None]
+        j = torch.where(mask, j, torch.full_like(j, -1))
+        seq = torch.arange(n, device=n_rows.device)
+        return self.gather_rows(kind, layer, seq, j, batch), mask

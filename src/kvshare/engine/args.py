@@ -1,0 +1,100 @@
+"""EngineArgs and how they resolve against a model: device, dtype, row formats, pool size.
+
+Defaults: ``block_size`` None = lcm(64, every compress ratio in use) (64 for V4.1, 128 for V4);
+``kv_format`` "auto" = the architecture's packed fp4 / fp8 formats when quantising, else plain
+rows matching the model dtype (fp32 or bf16) for kv, index keys and window; ``quantize`` None =
+keep the model's own fake-quant setting; pool = ``num_blocks``, else what ``gpu_memory_bytes``
+holds after every slot's rings, else enough blocks for ``max_num_seqs`` full-length sequences
+(capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.cache.layout import CacheLayout
+from kvshare.config import ModelConfig
+from kvshare.topology import Topology
+
+DEFAULT_POOL_CAP_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    block_size: int | None = None
+    kv_format: str | tuple[str, str, str] = "auto"
+    gpu_memory_bytes: int | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: str | torch.dtype | None = None
+    device: str | torch.device | None = None
+    share_kv_cache: bool = True
+    quantize: bool | None = None
+    seed: int | None = None
+    chunked_prefill: bool = True
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def default_block_size(topo: Topology) -> int:
+    bs = 64
+    for r in topo.ratios_in_use:
+        bs = bs * r // math.gcd(bs, r)
+    return bs
+
+
+def build_layout(cfg: ModelConfig, args: EngineArgs, cache_quant: bool, index_quant: bool,
+                 dtype: torch.dtype) -> CacheLayout:
+    """The cache layout of the pool: topology (shared or not), block size and row formats.
+
+    A quantised group (kv + window rows, or index keys) gets the architecture's packed format, a
+    plain group fp32 / bf16 rows like the model, so storing what the model computes is lossless.
+    """
+    topo = Topology(cfg, share_cache=args.share_kv_cache)
+    bs = args.block_size or default_block_size(topo)
+    plain = "fp32" if dtype == torch.float32 else "bf16"
+    if isinstance(args.kv_format, (tuple, list)):
+        kv, ik, win = args.kv_format
+    else:
+        kv = win = None if cache_quant else plain
+        ik = None if index_quant else plain
+        if args.kv_format not in (None, "auto"):
+            kv = args.kv_format
+    return CacheLayout(topo, bs, kv_format=kv, index_format=ik, window_format=win)
+
+
+def pool_blocks(layout: CacheLayout, args: EngineArgs, model_len: int) -> int:
+    """Number of blocks (null block included) the pool allocates."""
+    if args.num_blocks is not None:
+        n = args.num_blocks
+    elif args.gpu_memory_bytes is not None:
+        n = layout.blocks_for_memory(args.gpu_memory_bytes, args.max_num_seqs)
+    else:
+        want = args.max_num_seqs * -(-model_len // layout.block_size) + 1
+        cap = max(2, DEFAULT_POOL_CAP_BYTES // max(1, layout.bytes_per_block))
+        n = min(want, cap)
+    if n < 2:
+        raise ValueError(f"the KV-cache pool gets {n} blocks of {layout.bytes_per_block} B; it needs at least 2 "
+                         "(raise gpu_memory_bytes / num_blocks or lower max_num_seqs)")
+    return n

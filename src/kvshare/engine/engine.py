@@ -1,0 +1,197 @@
+"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out.
+
+``step()``: schedule (continuous batching, chunked prefill, preemption) -> ModelRunner (one batched
+forward over the paged cache) -> Sampler (batched) -> per-request bookkeeping (stop checks,
+detokenisation) -> outputs of the requests that got a token or finished.
+
+Invariants: a request that fails validation raises RequestError from ``add_request`` and leaves
+the engine untouched; a finished or aborted request holds no blocks and no slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from kvshare.cache.blocks import BlockManager
+from kvshare.cache.paged_backend import PagedBackend
+from kvshare.cache.pool import BlockPool
+from kvshare.engine.args import EngineArgs, build_layout, pool_blocks, resolve_device, resolve_dtype
+from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.outputs import EngineStats, RequestOutput
+from kvshare.engine.sampling import Sampler, SamplingParams
+from kvshare.engine.scheduler import Scheduler
+from kvshare.engine.sequence import Sequence, SequenceStatus
+from kvshare.errors import RequestError
+
+
+class LLMEngine:
+    def __init__(self, model: Any = None, tokenizer: Any = None, args: EngineArgs | None = None,
+                 **engine_args: Any) -> None:
+        self.args = args = dataclasses.replace(args or EngineArgs(), **engine_args)
+        model = self._load(model, args)
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        q = getattr(model, "quant", None)
+        cache_q = bool(q.cache) if q is not None else bool(args.quantize)
+        index_q = bool(q.index) if q is not None else bool(args.quantize)
+        self.layout = build_layout(self.cfg, args, cache_q, index_q, self.dtype)
+        model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        num_blocks = pool_blocks(self.layout, args, model_len)
+        capacity = (num_blocks - 1) * self.layout.block_size
+        if args.max_model_len is not None and args.max_model_len > capacity:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds what the pool holds ({num_blocks - 1} "
+                             f"blocks x {self.layout.block_size} = {capacity} tokens); raise the memory or lower it")
+        self.max_model_len = min(model_len, capacity)
+        slots = max(1, args.max_num_seqs)
+        self.pool = BlockPool(self.layout, num_blocks, slots, self.device, self.dtype)
+        fan_out = getattr(getattr(model, "topo", None), "share_cache", True) and not args.share_kv_cache
+        self.backend = PagedBackend(self.pool, fan_out=fan_out)
+        self.blocks = BlockManager(num_blocks, self.layout.block_size, slots, self.max_model_len, self.device)
+        self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)
+        self.runner = ModelRunner(model, self.backend, self.blocks, self.device)
+        self.sampler = Sampler(self.device, args.seed or 0)
+        eos = set(self.cfg.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos_ids = frozenset(i for i in eos if i is not None)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._order = itertools.count()
+        self._stats = EngineStats(num_blocks_total=self.blocks.allocator.num_usable,
+                                  bytes_per_block=self.layout.bytes_per_block)
+
+    def _load(self, model: Any, args: EngineArgs) -> Any:
+        if model is None or isinstance(model, str):
+            from kvshare.model.loader import load_model
+
+            self.device = resolve_device(args.device)
+            self.dtype = resolve_dtype(args.dtype, self.device)
+            quant = True if args.quantize is None else args.quantize
+            return load_model(model or "kvshare-mini-v41", dtype=self.dtype, device=self.device, quant=quant)
+        p = next(model.parameters())
+        self.device = resolve_device(args.device) if args.device is not None else p.device
+        self.dtype = resolve_dtype(args.dtype, self.device) if args.dtype is not None else p.dtype
+        if (p.device, p.dtype) != (self.device, self.dtype):
+            model = model.to(device=self.device, dtype=self.dtype)
+        if args.quantize is not None and hasattr(model, "set_quant"):
+            model.set_quant(args.quantize)
+        return model.eval()
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; RequestError (this request only) on a bad prompt or bad params."""
+        if request_id in self.requests:
+            raise RequestError(f"request {request_id!r}: id already in use")
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        params.stop = list(params.stop) if not isinstance(params.stop, str) else [params.stop]
+        try:
+            params.validate(self.cfg.vocab_size)
+        except RequestError as e:
+            raise RequestError(f"request {request_id!r}: {e}") from None
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"request {request_id!r}: a text prompt needs a tokenizer; pass token ids")
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt, add_bos=True))
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.cfg.vocab_size for t in ids):
+                raise RequestError(f"request {request_id!r}: prompt token ids must be integers in "
+                                   f"[0, {self.cfg.vocab_size})")
+        if not ids:
+            raise RequestError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than max_model_len "
+                               f"{self.max_model_len}")
+        seq = Sequence(request_id, text, ids, params, next(self._order))
+        if self.tokenizer is not None and hasattr(self.tokenizer, "incremental_decoder"):
+            seq.detok = self.tokenizer.incremental_decoder()
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; its final output (reason "abort") comes with the next step."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._retire(seq)
+            self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = [RequestOutput.of(s) for s in self._aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        chunks = sched.chunks
+        logits, sampling = self.runner.run(chunks)
+        decodes = 0
+        for c in chunks:
+            c.seq.num_computed += c.length
+            c.seq.new_token_ids = []
+            decodes += int(c.length == 1 and c.start >= len(c.seq.prompt_token_ids) and c.samples)
+        self._stats.num_steps += 1
+        self._stats.prompt_tokens += sched.num_tokens - decodes
+        if sampling:
+            seqs = [chunks[i].seq for i in sampling]
+            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.request_id for s in seqs])
+            now = time.perf_counter()
+            for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                self._append(seq, tok, lp)
+                outputs.append(RequestOutput.of(seq))
+            self._stats.generation_tokens += len(seqs)
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, lp: float) -> None:
+        """Add a sampled token, update the text, finish the request if a stop rule fires.
+
+        Stop tokens (eos unless ignore_eos, stop_token_ids) stay in token_ids but add no text; a
+        stop string ends the text just before it.
+        """
+        seq.append_token(tok, lp)
+        p = seq.params
+        reason, cut = None, False
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = SequenceStatus.FINISHED_STOPPED
+        elif seq.detok is not None:
+            piece = seq.detok.step([tok])
+            if piece and p.stop:
+                lo = max(0, len(seq.output_text) - max(len(s) for s in p.stop) + 1)
+                seq.output_text += piece
+                hits = [k for k in (seq.output_text.find(s, lo) for s in p.stop) if k >= 0]
+                if hits:
+                    seq.output_text = seq.output_text[:min(hits)]
+                    reason, cut = SequenceStatus.FINISHED_STOPPED, True
+            else:
+                seq.output_text += piece
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = SequenceStatus.FINISHED_LENGTH
+        if reason is not None:
+            if seq.detok is not None and not cut:
+                seq.output_text += seq.detok.flush()
+            self.scheduler.finish(seq, reason)
+            self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        self.sampler.forget(seq.request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_blocks_used = self.blocks.allocator.num_used
+        s.num_preemptions = self.scheduler.num_preemptions
+        return dataclasses.replace(s)
