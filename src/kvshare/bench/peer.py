@@ -58,7 +58,7 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
             ratio = {"prefill": kv.prefill_tps / ref.prefill_tps, "decode": kv.decode_tps / ref.decode_tps,
                      "tpot": kv.tpot_ms / ref.tpot_ms}
             entry["ratio"] = ratio
-            sec.rows.append([b, "ratio kvshare/tf", ratio["prefill"], ratio["decode"], ratio["tpot"],
+            sec.rows.append([b, "kvshare/tf", ratio["prefill"], ratio["decode"], ratio["tpot"],
                              "", "yes" if cmp["identical"] else "NO"])
         else:
             sec.rows.append(_row(kv, "n/a"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -71,10 +72,12 @@ def print_sections(sections: list[Section], header: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 130)
     console.print(f"[bold]kvshare bench[/bold]  {json.dumps(header, default=str)}")
     for s in sections:
         table = Table(title=s.title, title_justify="left")
+        if "elapsed_s" in s.data:
+            table.caption = f"{s.data['elapsed_s']} s"
         for c in s.columns:
             table.add_column(c, justify="right" if c not in ("engine", "mode", "quantity") else "left")
         for r in s.rows:
@@ -128,7 +131,8 @@ def save(sections: list[Section], header: dict[str, Any], out_dir: Path, stem: s
         for s in plotted:
             fig, ax = plt.subplots(figsize=(6.4, 4.0))
             s.plot(ax, s)  # type: ignore[misc]
-            ax.set_title(s.title, fontsize=10)
+            ax.set_title("\n".join(textwrap.wrap(s.title, 75)), fontsize=9)
+            ax.margins(y=0.15)
             fig.tight_layout()
             png = out_dir / f"{stem}-{s.name}.png"
             fig.savefig(png, dpi=110)

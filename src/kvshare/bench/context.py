@@ -1,0 +1,75 @@
+"""Context scaling: decode step time of a V4.1-shaped model at growing contexts, vs dense attention.
+
+For each context C one sequence's prompt of C tokens is prefilled through the paged engine (in
+chunks of `prefill_chunk` tokens), then `context_steps` decode steps are timed (median). Next to
+it: the time dense attention alone would take per decode step at C (every layer over all C
+positions, same head shapes; `kvshare.bench.dense`). The sparse path should stay near-flat (its
+attention reads top-k entries plus the window; only the indexer scores grow with C), while dense
+attention grows linearly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvshare.bench.dense import dense_attention_step
+from kvshare.bench.gen import equal_length_prompts
+from kvshare.bench.kv_runner import DTYPES, engine_layout, kv_generate, make_engine
+from kvshare.bench.measure import now
+from kvshare.bench.report import Section, Target
+from kvshare.bench.sizes import BenchSizes
+
+TARGET_FLATNESS = 1.5
+
+
+def context_section(s: BenchSizes, model: torch.nn.Module, *, dtype: str, device: str) -> Section:
+    """Measure every context in `s.contexts` (ascending)."""
+    cfg = model.cfg
+    contexts = sorted(s.contexts)
+    sec = Section("context", f"Decode step vs context, V4.1-shaped {s.v41_layers} layers, hidden {s.hidden}, "
+                  f"batch 1, index top-{cfg.index_topk}, {cfg.candidate_topk_blocks}x{cfg.candidate_block_size} "
+                  f"candidates, window {cfg.sliding_window}",
+                  ["context", "prefill s", "decode step ms", "vs first", "dense attn ms", "dense vs first"])
+    rows: list[dict[str, Any]] = []
+    for c in contexts:
+        prompts = equal_length_prompts(1, c, s.vocab, s.seed + c)
+        engine = make_engine(model, batch=1, max_len=c + s.context_steps + 1, block_size=s.block_size,
+                             dtype=dtype, device=device, max_batched_tokens=min(c, s.prefill_chunk))
+        if not rows:  # warm-up on the first (smallest) context's engine
+            kv_generate(engine, prompts[:, : min(c, 64)], 2, device, tag="w")
+        t0 = now(device)
+        res = kv_generate(engine, prompts, s.context_steps + 1, device)
+        total = now(device) - t0
+        layout = engine_layout(engine)
+        dense = dense_attention_step(1, cfg.num_attention_heads, cfg.head_dim, c, cfg.num_hidden_layers,
+                                     DTYPES[dtype], device, repeats=max(3, s.context_steps))
+        rows.append({"context": c, "prefill_s": res.prefill_s, "total_s": total, "step_s": res.decode.median,
+                     "decode": res.decode.as_dict(), "dense_attention_s": dense.median,
+                     "bytes_per_token": layout.bytes_per_token, "state_bytes_per_seq": layout.state_bytes_per_seq})
+        del engine
+    base, dbase = rows[0]["step_s"], rows[0]["dense_attention_s"]
+    for r in rows:
+        sec.rows.append([r["context"], r["prefill_s"], r["step_s"] * 1e3, r["step_s"] / base,
+                         r["dense_attention_s"] * 1e3, r["dense_attention_s"] / dbase])
+    sec.data = {"rows": rows, "config": cfg.to_dict()}
+    last = rows[-1]
+    sec.targets.append(Target(f"decode step {last['context']} / {rows[0]['context']} tokens",
+                              last["step_s"] / base, TARGET_FLATNESS, "<="))
+    sec.notes.append("dense attn = SDPA or matmul-softmax (the faster) over the whole context in every layer, "
+                     "attention only (no projections)")
+    sec.plot = _plot
+    return sec
+
+
+def _plot(ax: Any, s: Section) -> None:
+    rows = s.data["rows"]
+    xs = [r["context"] for r in rows]
+    ax.plot(xs, [r["step_s"] * 1e3 for r in rows], "o-", label="kvshare decode step (sparse)")
+    ax.plot(xs, [r["dense_attention_s"] * 1e3 for r in rows], "s--", label="dense attention alone")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)

@@ -1,0 +1,65 @@
+"""`kvshare bench`: a quick smoke run of every section (tiny sizes), and the full run (slow).
+
+The quick run checks the harness end to end: tables print, JSON / markdown / plots are written,
+the planner assertions of the sharing section hold, kvshare and transformers generate identical
+greedy tokens on the same weights, and every measured time is positive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvshare.cli import main
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    rc = main(["bench", "all", "--out-dir", str(tmp_path), "--name", "b", *extra])
+    assert rc == 0
+    return json.loads((tmp_path / "b.json").read_text())
+
+
+def test_bench_quick_all_sections(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out = _run(tmp_path, "--quick")
+    sections = {s["name"]: s for s in out["sections"]}
+    assert set(sections) == {"peer", "sharing", "context", "bandwidth"}
+    for name in sections:
+        assert (tmp_path / f"b-{name}.png").stat().st_size > 0
+    assert "| target |" in (tmp_path / "b.md").read_text()
+
+    for run in sections["peer"]["data"]["runs"]:
+        assert run["tokens"]["identical"], run["tokens"]
+        for side in ("kvshare", "transformers"):
+            assert run[side]["decode_tok_s"] > 0 and run[side]["prefill_tok_s"] > 0
+
+    sharing = sections["sharing"]["data"]
+    on, off = sharing["modes"]["on"], sharing["modes"]["off"]
+    assert on["bytes_per_token"] == on["planner"]["bytes_per_token"]
+    assert off["bytes_per_token"] == off["planner"]["bytes_per_token"]
+    assert sharing["bytes_factor"] == pytest.approx(sharing["planner_factor"], rel=1e-12)
+    assert sharing["bytes_factor"] > 1 and on["max_seqs"] > off["max_seqs"]
+
+    ctx = sections["context"]["data"]["rows"]
+    assert [r["context"] for r in ctx] == sorted(r["context"] for r in ctx)
+    assert all(r["step_s"] > 0 and r["dense_attention_s"] > 0 for r in ctx)
+    assert sections["bandwidth"]["data"]["copy"]["read_gbps"] > 0
+    assert out["header"]["load_before"]["cpu_count"] >= 1
+
+
+def test_bench_single_section_without_peer(tmp_path: Path) -> None:
+    rc = main(["bench", "sharing", "--quick", "--no-plots", "--out-dir", str(tmp_path), "--name", "s"])
+    assert rc == 0
+    out = json.loads((tmp_path / "s.json").read_text())
+    assert [s["name"] for s in out["sections"]] == ["sharing"]
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.slow
+def test_bench_full(tmp_path: Path) -> None:
+    """The full benchmark (minutes): every section at the default sizes."""
+    out = _run(tmp_path)
+    assert {s["name"] for s in out["sections"]} == {"peer", "sharing", "context", "bandwidth"}
