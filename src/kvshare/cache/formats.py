@@ -93,23 +93,25 @@ def _exact_fp4_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     if not bool(bad.any()):
         return codes, scale
     codes_b = codes.reshape(xb.shape).clone()
+    scale = scale.clone()
     grid = quant.FP4_GRID.to(x.device)
-    amax = xb.abs().amax(-1)
+    sel = bad.nonzero(as_tuple=True)  # only the blocks re-quantising would change
+    xs = xb[sel]
+    amax = xs.abs().amax(-1)
+    todo = torch.ones_like(amax, dtype=torch.bool)
     for q in (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5):
         s = amax / q
-        ok = bad & (s > 0) & (quant.e4m3_round(s) == s)
-        if not bool(ok.any()):
-            continue
-        v = xb / s.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        v = xs / s.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         mag = v.abs()
         idx = torch.searchsorted(grid, mag.contiguous()).clamp(max=grid.numel() - 1)
-        ok = ok & (grid[idx] == mag).all(-1)
+        ok = todo & (s > 0) & (quant.e4m3_round(s) == s) & (grid[idx] == mag).all(-1)
         if not bool(ok.any()):
             continue
         c = (idx | (((v < 0) & (idx > 0)).to(idx.dtype) << 3)).to(torch.uint8)
-        codes_b = torch.where(ok.unsqueeze(-1), c, codes_b)
-        scale = torch.where(ok, s, scale)
-        bad = bad & ~ok
+        pick = tuple(t[ok] for t in sel)
+        codes_b[pick] = c[ok]
+        scale[pick] = s[ok]
+        todo = todo & ~ok
     return codes_b.reshape(x.shape), scale
 
 
