@@ -20,9 +20,9 @@ import torch
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-# Midpoints between grid values; at an exact midpoint the even code wins (round half to even).
-_FP4_MID_TIE_DOWN = torch.tensor([0.25, 1.25, 2.5, 5.0])  # lower neighbour has an even code
-_FP4_MID_TIE_UP = torch.tensor([0.75, 1.75, 3.5])  # upper neighbour has an even code
+# Midpoints between grid values. At an exact midpoint the even code wins (round half to even):
+# 0.25, 1.25, 2.5 and 5 round down; 0.75, 1.75 and 3.5 round up.
+_FP4_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 ScaleFmt = Literal["ue8m0", "e4m3"]
 
@@ -76,10 +76,8 @@ def fp4_codes(x: torch.Tensor, block: int, scale_fmt: ScaleFmt) -> tuple[torch.T
     scale = fp4_scale(xb.abs().amax(dim=-1, keepdim=True), scale_fmt)
     v = (xb / scale).clamp(-FP4_MAX, FP4_MAX)
     mag = v.abs()
-    dev = mag.device
-    idx = (mag.unsqueeze(-1) > _FP4_MID_TIE_DOWN.to(dev)).sum(-1) + (
-        mag.unsqueeze(-1) >= _FP4_MID_TIE_UP.to(dev)
-    ).sum(-1)
+    idx = torch.bucketize(mag, _FP4_MIDS.to(mag.device))  # number of midpoints strictly below
+    idx = idx + ((mag == 0.75) | (mag == 1.75) | (mag == 3.5)).to(idx.dtype)
     sign = (v < 0) & (idx > 0)
     codes = (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
     return codes.reshape(x.shape), scale.squeeze(-1)
