@@ -12,7 +12,8 @@ class RequestOutput:
     """A request's state after a step (cumulative; ``new_token_ids`` are this step's tokens only).
 
     ``finish_reason`` is "stop" (eos, stop token or stop string), "length" (max_tokens or
-    max_model_len) or "abort"; None while running. ``logprobs`` holds the chosen tokens' logprobs
+    max_model_len), "abort", or "error" (only from ``LLM.generate``: the request was rejected and
+    ``error`` says why); None while running. ``logprobs`` holds the chosen tokens' logprobs
     when the request asked for them.
     """
 
@@ -26,6 +27,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None
     metrics: RequestMetrics
+    error: str | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
