@@ -26,6 +26,7 @@ from kvshare.server.metrics import ServerMetrics
 log = logging.getLogger("kvshare.server")
 
 _IDLE_WAIT_S = 0.05
+_MAX_BACKOFF_S = 1.0
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
+        self._backoff = 0.0  # pause after consecutive failed steps, so a broken engine cannot spin
         self.error: BaseException | None = None  # set if the thread itself dies
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -171,7 +173,11 @@ class EngineLoop:
                 except Exception:
                     log.debug("abort after failed step of %s", rid, exc_info=True)
             self._refresh_stats()
+            self._backoff = min(_MAX_BACKOFF_S, max(0.01, 2 * self._backoff))
+            self._wake.wait(self._backoff)
+            self._wake.clear()
             return
+        self._backoff = 0.0
         new_tokens = 0
         for out in outputs:
             new_tokens += len(getattr(out, "new_token_ids", None) or ())
