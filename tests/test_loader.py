@@ -77,7 +77,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
     batch = StepBatch.build([0], [ids.numel()])
     with torch.no_grad():
-        return model.forward(ids, batch, DenseCache(model.cfg, max_seqs=1))
+        return model.forward(ids, batch, DenseCache(model.cfg, model.topo, 1, ids.numel()))
 
 
 def test_shipped_name_random_init_is_deterministic() -> None:
