@@ -148,3 +148,14 @@ def test_unshared_cache_gives_the_same_tokens(name):
     assert eng.layout.bytes_per_block > eng.layout.unshared_layout.bytes_per_block / eng.layout.saving_factor - 1
     for i, (toks, _) in enumerate(refs):
         assert done[str(i)] == toks
+
+
+@pytest.mark.parametrize("budget", [1, 256])
+def test_token_by_token_and_one_chunk_prefill_agree(budget):
+    """Budget 1: every prompt token is its own step; budget 256: each prompt in one chunk, all batched."""
+    model, prompts, refs = case("tiny-v41", True)
+    done, logits, _ = run_engine(model, prompts, block_size=16, num_blocks=30, max_num_seqs=5,
+                                 max_num_batched_tokens=budget)
+    for i, (toks, rows) in enumerate(refs):
+        assert done[str(i)] == toks
+        assert max((logits[(str(i), k)] - rows[k]).abs().max().item() for k in range(MAX_TOKENS)) < LOGIT_TOL[True]
