@@ -42,6 +42,16 @@ def cfg(request: pytest.FixtureRequest) -> ModelConfig:
     return load_config(request.param)
 
 
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41", "tiny-v41-deep", "kvshare-mini-v41"])
+def test_released_table_matches_model(name: str) -> None:
+    from kvshare.model.deepseek import Transformer
+
+    cfg = load_config(name)
+    with torch.device("meta"):
+        model = Transformer(cfg, quant=False)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == released_shapes(cfg)
+
+
 def test_config_json_round_trips(cfg: ModelConfig, tmp_path: Path) -> None:
     d = hf_style_config(cfg)
     assert "kvshare_format" not in d and d["model_type"].startswith("deepseek_v4")
@@ -104,6 +114,9 @@ def test_fp8_block_scaled_weights_dequantise(tmp_path: Path) -> None:
     got = load_checkpoint(tmp_path, cfg)
     assert torch.equal(got[name], want)
     assert (got[name] - sd[name]).abs().max() <= sd[name].abs().max() / 8
+    ck[name.replace(".weight", ".weight_scale_inv")] = ck.pop(name.replace(".weight", ".scale")).float()
+    save_file(ck, str(tmp_path / "model.safetensors"))
+    assert torch.equal(load_checkpoint(tmp_path, cfg)[name], want)
     ck2 = dict(random_state(cfg32))
     ck2[wname], ck2[wname.replace(".weight", ".scale")] = q2, s2
     save_file(ck2, str(tmp_path / "model.safetensors"))
