@@ -153,3 +153,25 @@ def test_unshared_fan_out_reaches_every_reader_copy():
         assert torch.equal(be.gather_rows("kv", reader, torch.tensor([0]), torch.tensor([1]), b), v)
     other = [l for l in lay.topo.kv_cache_owners if shared.kv_cache_of(l) != owner]
     assert other and all(bool((pool.kv_view(l) == 0).all()) for l in other)
+
+
+def test_offsets_are_int64_past_4_gib():
+    """V4.1-Flash fp4 blocks (113,920 B): block 40,000 starts past 2^32; views must address it exactly."""
+    cfg = load_config("deepseek-v4.1-flash")
+    lay = CacheLayout(Topology(cfg), 128)
+    assert lay.bytes_per_block == 113920
+    pool = BlockPool(lay, num_blocks=40001, num_slots=1, device="meta")
+    for r in lay.regions:
+        v = pool.owner_views()[(r.kind, r.owner)]
+        row = v[40000, r.rows - 1]
+        assert row.storage_offset() == 40000 * 113920 + r.offset + (r.rows - 1) * r.row_bytes > 2**32
+
+
+def test_reset_slots_zeroes_only_those_slots():
+    lay = _layout("tiny-v41")
+    pool = BlockPool(lay, 3, 3)
+    for r in pool.rings.values():
+        r.fill_(9)
+    pool.reset_slots(torch.tensor([1]))
+    for r in pool.rings.values():
+        assert bool((r[1] == 0).all()) and bool((r[0] == 9).all()) and bool((r[2] == 9).all())

@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 NULL_BLOCK = 0
@@ -115,6 +117,7 @@ class BlockManager:
         self.max_blocks_per_seq = blocks_for_tokens(max_model_len, block_size)
         self.tables = torch.zeros(num_slots, max(1, self.max_blocks_per_seq), dtype=torch.int64, device=device)
         self.block_ids: dict[int, list[int]] = {}
+        self.on_open: Callable[[int], None] | None = None  # e.g. zero the slot's rings
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
@@ -130,6 +133,8 @@ class BlockManager:
     def open_slot(self) -> int:
         slot = self.slots.allocate()
         self.block_ids[slot] = []
+        if self.on_open is not None:
+            self.on_open(slot)
         return slot
 
     def grow(self, slot: int, num_tokens: int) -> None:

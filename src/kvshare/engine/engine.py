@@ -53,6 +53,7 @@ class LLMEngine:
         fan_out = getattr(getattr(model, "topo", None), "share_cache", True) and not args.share_kv_cache
         self.backend = PagedBackend(self.pool, fan_out=fan_out)
         self.blocks = BlockManager(num_blocks, self.layout.block_size, slots, self.max_model_len, self.device)
+        self.blocks.on_open = self._reset_slot
         self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)
         self.runner = ModelRunner(model, self.backend, self.blocks, self.device)
         self.sampler = Sampler(self.device, args.seed or 0)
@@ -65,6 +66,11 @@ class LLMEngine:
         self._order = itertools.count()
         self._stats = EngineStats(num_blocks_total=self.blocks.allocator.num_usable,
                                   bytes_per_block=self.layout.bytes_per_block)
+
+    def _reset_slot(self, slot: int) -> None:
+        """A recycled request slot starts with zeroed rings (spec/cache.md §9.6)."""
+        with torch.inference_mode():
+            self.pool.reset_slots(torch.tensor([slot], device=self.device))
 
     def _load(self, model: Any, args: EngineArgs) -> Any:
         if model is None or isinstance(model, str):
