@@ -208,3 +208,12 @@ def test_transformers_naming_loads(tmp_path: Path) -> None:
     save_file({**hf, "mtp.0.norm.weight": torch.ones(32)}, str(tmp_path / "model.safetensors"))
     got = load_checkpoint(tmp_path, cfg)
     assert_same(got, {k: v.long() if k.endswith("tid2eid") else v for k, v in sd.items()})
+
+
+def test_load_model_from_transformers_named_directory(tmp_path: Path) -> None:
+    cfg = load_config("tiny-v4")
+    ref = load_model("tiny-v4", quant=False)
+    (tmp_path / "config.json").write_text(json.dumps(hf_style_config(cfg)))
+    save_file(kvshare_to_transformers(ref.state_dict(), cfg), str(tmp_path / "model.safetensors"))
+    got = load_model(tmp_path, quant=False)
+    assert_same(got.state_dict(), ref.state_dict())

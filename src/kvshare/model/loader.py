@@ -34,6 +34,7 @@ from kvshare.model.hf_naming import is_transformers_naming, released_shapes, tra
 
 if TYPE_CHECKING:
     from kvshare.model.deepseek import Transformer
+    from kvshare.model.quantize import QuantMode
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant: object = True) -> "Transformer":
+               quant: "bool | QuantMode" = True) -> "Transformer":
     """Build a `Transformer` from a checkpoint directory, a config file, or a shipped config name.
 
     With weights next to the config they are loaded; otherwise the model is randomly initialised
