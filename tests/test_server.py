@@ -171,11 +171,59 @@ def test_disconnected_stream_frees_blocks(server: BackgroundServer) -> None:
     assert m["kvshare_cache_blocks_used"] == 0
 
 
+def test_disconnected_whole_reply_request_is_aborted(server: BackgroundServer) -> None:
+    wait_idle(server)
+    aborted = metrics(server)["kvshare_requests_aborted_total"]
+    body = {"model": MODEL, "prompt": "wait for it: ", "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    m = wait_idle(server)
+    assert m["kvshare_requests_aborted_total"] == aborted + 1
+
+
 def test_metrics_exposition(server: BackgroundServer) -> None:
     text = httpx.get(server.base_url + "/metrics").text
     for name in ("kvshare_requests_running", "kvshare_requests_waiting", "kvshare_cache_blocks_used",
                  "kvshare_cache_blocks_total", "kvshare_generated_tokens_total",
-                 "kvshare_generation_tokens_per_second"):
+                 "kvshare_generation_tokens_per_second", "kvshare_prompt_tokens_per_second",
+                 "kvshare_engine_prompt_tokens_total"):
         assert f"# TYPE {name} " in text and re.search(rf"^{name} \S+$", text, re.M), name
     m = metrics(server)
     assert m["kvshare_cache_blocks_total"] > 0 and m["kvshare_generated_tokens_total"] > 0
+
+
+def test_kvshare_serve_command(tmp_path: Any) -> None:
+    """`kvshare serve` as a user starts it: a subprocess on a loopback port."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--host", "127.0.0.1",
+                             "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "2",
+                             "--max-concurrent-requests", "3", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.seek(0) or log.read()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert client.models.list().data[0].max_model_len == 128
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()

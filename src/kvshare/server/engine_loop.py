@@ -194,7 +194,7 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         try:
-            self.metrics.engine_stats = self.engine.stats()
+            self.metrics.on_stats(self.engine.stats())
         except Exception:
             log.debug("engine.stats() failed", exc_info=True)
 

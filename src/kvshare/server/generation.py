@@ -93,6 +93,7 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
     slot = _Slot(state)
     try:
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        slot.request_id = rid  # from here on, leaving early aborts it (a no-op if it never got in)
         try:
             queue = await state.loop.add(rid, prompt, params)
         except RequestError as e:
@@ -101,7 +102,6 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
         except Exception as e:
             log.exception("adding request %s failed", rid)
             raise internal_error(e) from e
-        slot.request_id = rid
         builder = ResponseBuilder(kind, rid, state.model_name)  # type: ignore[arg-type]
         if stream:
             events = _events(state, slot, queue, builder, include_usage, list(getattr(params, "stop", None) or []))

@@ -14,6 +14,9 @@ from typing import Any
 
 _RATE_WINDOW_S = 10.0
 
+# cumulative EngineStats fields: exposed as counters named kvshare_engine_<field>_total
+_ENGINE_COUNTERS = ("num_steps", "num_preemptions", "prompt_tokens", "generation_tokens")
+
 # metric name -> (EngineStats attribute names to try, help text)
 _ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
     "kvshare_requests_running": (("running", "num_running"), "Requests scheduled in the running batch."),
@@ -51,6 +54,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
+        self._recent_prompt: deque[tuple[float, int]] = deque()
+        self._last_prompt_tokens: float | None = None
         self._started = time.monotonic()
         self.engine_stats: Any = None
         self.requests_total = 0
@@ -87,18 +92,30 @@ class ServerMetrics:
                 self._recent.append((now, new_tokens))
             self._trim(now)
 
+    def on_stats(self, stats: Any) -> None:
+        """A fresh `engine.stats()` snapshot; prompt tokens processed since the last one feed the rate."""
+        self.engine_stats = stats
+        prompt = stat(stats, "prompt_tokens")
+        if prompt is None:
+            return
+        with self._lock:
+            if self._last_prompt_tokens is not None and prompt > self._last_prompt_tokens:
+                self._recent_prompt.append((time.monotonic(), int(prompt - self._last_prompt_tokens)))
+            self._last_prompt_tokens = prompt
+
     def _trim(self, now: float) -> None:
-        while self._recent and self._recent[0][0] < now - _RATE_WINDOW_S:
-            self._recent.popleft()
+        for window in (self._recent, self._recent_prompt):
+            while window and window[0][0] < now - _RATE_WINDOW_S:
+                window.popleft()
 
     # ---- event loop --------------------------------------------------------------------------
 
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second over the last few seconds."""
+    def tokens_per_second(self, prompt: bool = False) -> float:
+        """Generated (or, with `prompt`, prefilled) tokens per second over the last few seconds."""
         now = time.monotonic()
         with self._lock:
             self._trim(now)
-            tokens = sum(n for _, n in self._recent)
+            tokens = sum(n for _, n in (self._recent_prompt if prompt else self._recent))
         span = min(_RATE_WINDOW_S, max(now - self._started, 1e-3))
         return tokens / span
 
@@ -137,11 +154,18 @@ class ServerMetrics:
                self.generated_tokens_total)
         metric("kvshare_generation_tokens_per_second", "gauge",
                f"Generated tokens per second over the last {_RATE_WINDOW_S:g} s.", self.tokens_per_second())
+        metric("kvshare_prompt_tokens_per_second", "gauge",
+               f"Prompt tokens prefilled per second over the last {_RATE_WINDOW_S:g} s.",
+               self.tokens_per_second(prompt=True))
         metric("kvshare_engine_steps_total", "counter", "Engine steps run.", self.steps_total)
         metric("kvshare_engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
                self.step_seconds_total)
         for key, value in _other_stats(stats):
-            metric(f"kvshare_engine_{key}", "gauge", f"EngineStats.{key}.", value)
+            if key in _ENGINE_COUNTERS:
+                metric(f"kvshare_engine_{key}_total", "counter", f"EngineStats.{key} since the engine started.",
+                       value)
+            else:
+                metric(f"kvshare_engine_{key}", "gauge", f"EngineStats.{key}.", value)
         return "\n".join(lines) + "\n"
 
 
