@@ -30,11 +30,12 @@ class ModelRunner:
         starts = [c.start for c in chunks]
         lens = [c.length for c in chunks]
         slots = [c.seq.slot for c in chunks]
-        ids = list(itertools.chain.from_iterable(c.seq.tokens[c.start:c.start + c.length] for c in chunks))
+        ids = list(itertools.chain.from_iterable(c.seq.token_slice(c.start, c.start + c.length) for c in chunks))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.blocks.tables.device)
-        tables = self.blocks.tables.index_select(0, slot_t).to(self.device)
+        ncols = max(1, self.blocks.blocks_needed(max(s + n for s, n in zip(starts, lens))))
+        tables = self.blocks.tables[:, :ncols].index_select(0, slot_t).to(self.device)
         # Logits only for the last row of each sequence (cheap), sampling rows picked after.
         ends = list(itertools.accumulate(lens))
         batch = StepBatch.build(starts, lens, slots, block_tables=tables,
