@@ -24,7 +24,7 @@ Message = dict[str, str]
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 
-# Built-in chat template of the byte tokenizer: one header line per turn, a blank line after each.
+# Built-in chat template of the byte tokenizer: per message a `<|role|>` header line, the content, a newline.
 _BYTE_ROLE_HEADER = "<|{role}|>\n"
 _BYTE_TURN_END = "\n"
 

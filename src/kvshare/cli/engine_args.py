@@ -59,7 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=_positive_int, default=None,
                    help="tokens per KV-cache block; a multiple of every compress ratio (default: engine's)")
     g.add_argument("--kv-format", default=None,
-                   help="row format of the compressed KV cache, e.g. bf16, fp8, fp4 (default: the model's)")
+                   help="row format of the compressed KV cache: auto (packed fp4/fp8 when quantising, else "
+                        "plain rows in the model dtype), fp4, fp8, fp8_v4, bf16 or fp32 (default auto)")
     mem = g.add_mutually_exclusive_group()
     mem.add_argument("--memory", type=parse_bytes, default=None, metavar="SIZE",
                      help="bytes to give the KV-cache pool, e.g. 2GiB; the pool sizes itself from the "
@@ -78,7 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="turn off the FP8/FP4 cache and activation fake-quantisation the checkpoint was "
                         "trained with")
     g.add_argument("--seed", type=int, default=None,
-                   help="seed for random weights (when no checkpoint ships) and for sampling")
+                   help="seed of the sampler's random stream (generate and chat also seed their request "
+                        "with it, so a run is reproducible); random weights always use the model's fixed seed")
 
 
 # flag dest -> engine keyword
