@@ -16,14 +16,21 @@ import torch.nn.functional as F
 
 from kvshare.runtime import StepBatch
 
-CacheFactory = Callable[[Any, int], Any]  # (model, num_seqs) -> CacheBackend
+CacheFactory = Callable[[Any, StepBatch], Any]  # (model, batch) -> CacheBackend
 
 
-def dense_cache_factory(model: Any, num_seqs: int) -> Any:
-    """A fresh reference cache (`model/dense_cache.py`) for `num_seqs` sequences."""
+def dense_cache_factory(model: Any, batch: StepBatch) -> Any:
+    """A fresh reference cache (`model/dense_cache.py`) sized for the step's sequences."""
     from kvshare.model.dense_cache import DenseCache
 
-    return DenseCache(model.cfg, model.topo, num_seqs=num_seqs)
+    return DenseCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
+
+
+def train_cache_factory(model: Any, batch: StepBatch) -> Any:
+    """A fresh `TrainCache` (the reference cache with differentiable compressed rows)."""
+    from kvshare.train.train_cache import TrainCache
+
+    return TrainCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
 
 
 def forward_contexts(
@@ -40,7 +47,7 @@ def forward_contexts(
     targets = torch.cat([c[1:] for c in contexts]).to(device)
     lens = [int(c.numel()) - 1 for c in contexts]
     batch = StepBatch.build([0] * len(lens), lens, device=device)
-    cache = cache_factory(model, len(lens))
+    cache = cache_factory(model, batch)
     logits = model(inputs, batch, cache)
     return logits, targets
 

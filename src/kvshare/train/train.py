@@ -1,6 +1,6 @@
 """Train kvshare-mini-v41 on the CPython stdlib sources, on the CPU, through the inference model.
 
-    python -m kvshare.train.train --steps 600 --minutes 45 --out src/kvshare/models/kvshare-mini-v41
+    python -m kvshare.train.train --steps 170 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
 
 Seeded and deterministic for a given (seed, steps, threads): model init from ``--seed``, data
 sampling from its own generator seeded ``seed + 1``. AdamW with a linear warm-up then cosine decay
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from kvshare.config import load_config
+from kvshare.model.loader import save_checkpoint
 from kvshare.train.data import build_manifest, load_split, sample_contexts, save_manifest, verify_manifest
-from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups
+from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_cache_factory
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "kvshare-mini-v41"
 
@@ -35,17 +36,17 @@ class TrainConfig:
 
     model: str = "kvshare-mini-v41"
     seed: int = 0
-    steps: int = 600
-    minutes: float = 45.0
-    batch: int = 8
+    steps: int = 170
+    minutes: float = 48.0
+    batch: int = 4
     ctx_min: int = 256
     ctx_max: int = 384
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 30
+    warmup: int = 20
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    threads: int = 2
+    threads: int = 1
     quant: bool = True
     val_every: int = 50
     val_chunks: int = 8
@@ -121,14 +122,14 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
         for g in opt.param_groups:
             g["lr"] = lr
         ctx = _contexts(split, tc, gen)
-        loss = lm_loss(model, ctx, dense_cache_factory)
+        loss = lm_loss(model, ctx, train_cache_factory)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
         opt.step()
         step += 1
         el = time.time() - t0
-        lv = float(loss)
+        lv = float(loss.detach())
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss became {lv} at step {step}")
         log["steps"].append({"step": step, "loss": round(lv, 5), "lr": lr, "grad_norm": round(gnorm, 4),
@@ -158,8 +159,6 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
 def save_release(model: torch.nn.Module, tc: TrainConfig, manifest: dict[str, Any], log: dict[str, Any],
                  out_dir: Path) -> None:
     """Write config.json + model.safetensors (via the loader), corpus_manifest.json and training_log.json."""
-    from kvshare.model.loader import save_checkpoint
-
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
     save_checkpoint(state, load_config(tc.model), out_dir)
