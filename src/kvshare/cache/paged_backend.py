@@ -71,8 +71,9 @@ class PagedBackend:
         valid = q >= 0
         in_step = q >= start
         step_row = (batch.cu_seqlens[seq][:, None] + q - start).clamp(0, max(t_all - 1, 0))
-        slot = batch.slots[seq][:, None].expand_as(q)
-        stored = _unpack(fmt, ring[slot, q.remainder(depth)]).to(values.dtype)
+        # Unpack each sequence's ring once ([N, depth, w]), then index it per requested row.
+        rings = _unpack(fmt, ring.index_select(0, batch.slots)).to(values.dtype)
+        stored = rings[seq[:, None].expand_as(q), q.remainder(depth)]
         out = torch.where(in_step[..., None], values[step_row], stored)
         out = out.masked_fill(~valid[..., None], 0)
         key = (name, layer)
