@@ -15,7 +15,8 @@ from kvshare.cli.engine_args import add_engine_args, engine_args_from, parse_byt
 
 
 def test_generate_subprocess_streams_and_reports() -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # one intra-op thread: on a small shared CPU, torch's thread pool oversubscribes and crawls
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "kvshare", "generate", "def ", "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -73,7 +74,13 @@ def test_parse_bytes_rejects(text: str) -> None:
 
 
 def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import torch
+
     from kvshare.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a small shared CPU, torch's thread pool oversubscribes and crawls
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # keep the engine from changing it
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nfirst\nsecond\n/exit\nnever read\n"))
     seen: list[list[dict[str, str]]] = []
@@ -88,6 +95,8 @@ def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
     rc = main(["chat", "--model", "tiny-v41", "--max-tokens", "1", "--temperature", "0",
                "--max-model-len", "128", "--max-num-seqs", "1"])
+    monkeypatch.undo()
+    torch.set_num_threads(threads)
     assert rc == 0
     out = capsys.readouterr().out
     assert "(conversation reset)" in out

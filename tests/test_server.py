@@ -25,6 +25,17 @@ MAX_TOKENS = 8
 PROMPTS = [f"prompt {i}: " + "abcdefghij"[: i % 10] for i in range(32)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a small shared CPU, torch's thread pool oversubscribes and crawls."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def llm() -> Any:
     from kvshare.llm import LLM
@@ -194,6 +205,7 @@ def test_metrics_exposition(server: BackgroundServer) -> None:
 
 def test_kvshare_serve_command(tmp_path: Any) -> None:
     """`kvshare serve` as a user starts it: a subprocess on a loopback port."""
+    import os
     import socket
     import subprocess
     import sys
@@ -205,7 +217,7 @@ def test_kvshare_serve_command(tmp_path: Any) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--host", "127.0.0.1",
                              "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "2",
                              "--max-concurrent-requests", "3", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
