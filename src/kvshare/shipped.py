@@ -7,6 +7,7 @@ from pathlib import Path
 from kvshare.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+MODEL_DIR = Path(__file__).parent / "models"
 
 
 def shipped_config_names() -> list[str]:
@@ -29,3 +30,17 @@ def resolve_config_path(name_or_path: str) -> Path:
         field="<path>",
         fix=f"use a path or one of: {', '.join(shipped_config_names())}",
     )
+
+
+def shipped_model_dir(name: str) -> Path | None:
+    """The directory of a model shipped with weights (`kvshare/models/<name>/`), or None.
+
+    Only a plain name qualifies (no path separators), and only when the directory holds a
+    ``config.json`` and at least one ``*.safetensors`` file.
+    """
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        return None
+    d = MODEL_DIR / name
+    if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+        return d
+    return None

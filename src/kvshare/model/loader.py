@@ -11,7 +11,8 @@
   skipped with one logged warning; missing, unexpected or mis-shaped tensors raise CheckpointError.
 * `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
   read back by `ModelConfig.from_dict` to an equal config) + safetensors in the released naming.
-* `load_model(name_or_path, ...)`: a directory (config + weights, or config only) or a shipped
+* `load_model(name_or_path, ...)`: a directory (config + weights, or config only), a model shipped
+  with weights (``kvshare/models/<name>/``, e.g. the trained kvshare-mini-v41), or a shipped
   config name; without weights the model is initialised by its ``init_weights(DEFAULT_SEED)``.
 """
 
@@ -280,7 +281,12 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     with `init_weights(DEFAULT_SEED)` (deterministic)."""
     from kvshare.model.deepseek import Transformer
 
+    from kvshare.shipped import shipped_model_dir
+
     p = Path(name_or_path)
+    shipped = None if p.exists() else shipped_model_dir(str(name_or_path))
+    if shipped is not None:  # a model shipped with trained weights, e.g. kvshare-mini-v41
+        name_or_path = p = shipped
     weights_dir = p if p.is_dir() else (p.parent if p.is_file() else None)
     cfg = load_config(str(name_or_path))
     if cfg.engram_layer_ids:
