@@ -1,7 +1,10 @@
 """Context scaling: decode step time of a V4.1-shaped model at growing contexts, vs dense attention.
 
 For each context C one sequence's prompt of C tokens is prefilled through the paged engine (in
-chunks of `prefill_chunk` tokens), then `context_steps` decode steps are timed (median). Next to
+chunks of `prefill_chunk` tokens), then `context_steps` decode steps are timed (median). Contexts
+are measured in ascending order within `context_budget_s` seconds: the next context's run time
+is predicted from the measured ones (a + b C + c C^2 through the last points; prefill has a
+quadratic indexer term) and a context predicted to overrun the budget is skipped and reported. Next to
 it: the time dense attention alone would take per decode step at C (every layer over all C
 positions, same head shapes; `kvshare.bench.dense`). The sparse path should stay near-flat (its
 attention reads top-k entries plus the window; only the indexer scores grow with C), while dense
@@ -33,7 +36,14 @@ def context_section(s: BenchSizes, model: torch.nn.Module, *, dtype: str, device
                   f"candidates, window {cfg.sliding_window}",
                   ["context", "prefill s", "decode step ms", "vs first", "dense attn ms", "dense vs first"])
     rows: list[dict[str, Any]] = []
+    skipped: list[tuple[int, float]] = []
+    t_section = now(device)
     for c in contexts:
+        if rows:
+            pred = predict_seconds([(r["context"], r["total_s"]) for r in rows], c)
+            if now(device) - t_section + pred > s.context_budget_s:
+                skipped.append((c, pred))
+                continue
         prompts = equal_length_prompts(1, c, s.vocab, s.seed + c)
         engine = make_engine(model, batch=1, max_len=c + s.context_steps + 1, block_size=s.block_size,
                              dtype=dtype, device=device, max_batched_tokens=min(c, s.prefill_chunk))
@@ -53,7 +63,11 @@ def context_section(s: BenchSizes, model: torch.nn.Module, *, dtype: str, device
     for r in rows:
         sec.rows.append([r["context"], r["prefill_s"], r["step_s"] * 1e3, r["step_s"] / base,
                          r["dense_attention_s"] * 1e3, r["dense_attention_s"] / dbase])
-    sec.data = {"rows": rows, "config": cfg.to_dict()}
+    sec.data = {"rows": rows, "config": cfg.to_dict(), "skipped": [{"context": c, "predicted_s": p} for c, p in skipped],
+                "budget_s": s.context_budget_s}
+    for c, p in skipped:
+        sec.notes.append(f"context {c} skipped: predicted {p:.0f} s would overrun the {s.context_budget_s} s budget "
+                         "(--context-budget-s)")
     last = rows[-1]
     sec.targets.append(Target(f"decode step {last['context']} / {rows[0]['context']} tokens",
                               last["step_s"] / base, TARGET_FLATNESS, "<="))
@@ -61,6 +75,21 @@ def context_section(s: BenchSizes, model: torch.nn.Module, *, dtype: str, device
                      "attention only (no projections)")
     sec.plot = _plot
     return sec
+
+
+def predict_seconds(points: list[tuple[int, float]], c: int) -> float:
+    """Run time at context `c` from measured (context, seconds): a quadratic through the last three
+    points when there are three, else seconds scaled by (c / c_last)^2 (an upper estimate)."""
+    if len(points) >= 3:
+        import numpy as np
+
+        xs, ys = zip(*points[-3:])
+        coef = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 2)
+        est = float(np.polyval(coef, c))
+        if est > 0:
+            return est
+    c0, t0 = points[-1]
+    return t0 * (c / c0) ** 2
 
 
 def _plot(ax: Any, s: Section) -> None:

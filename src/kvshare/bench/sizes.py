@@ -26,7 +26,7 @@ class BenchSizes:
     hidden: int = 768
     heads: int = 8
     head_dim: int = 128
-    rope_dim: int = 32
+    rope_dim: int = 64
     q_lora: int = 256
     o_lora: int = 256
     o_groups: int = 2
@@ -47,7 +47,8 @@ class BenchSizes:
     batches: tuple[int, ...] = (1, 8)
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
     context_steps: int = 8
-    prefill_chunk: int = 2048
+    prefill_chunk: int = 512
+    context_budget_s: int = 420
     sharing_context: int = 1024
     sharing_batch: int = 4
     pool_mib: int = 64
@@ -69,7 +70,7 @@ QUICK = BenchSizes(
     hidden=64, heads=4, head_dim=32, rope_dim=8, q_lora=32, o_lora=32, o_groups=2, experts=4,
     experts_per_tok=2, moe_inter=64, vocab=512, window=16, index_heads=4, index_dim=16, index_topk=8,
     peer_layers=4, v41_layers=8, candidate_blocks=4, candidate_block_size=4, prompt_len=16,
-    new_tokens=4, batches=(1, 2), contexts=(64, 128), context_steps=2, prefill_chunk=128,
+    new_tokens=4, batches=(1, 2), contexts=(64, 128), context_steps=2, prefill_chunk=128, context_budget_s=60,
     sharing_context=64, sharing_batch=2, pool_mib=1, block_size=128, copy_mib=16, repeats=1,
 )
 

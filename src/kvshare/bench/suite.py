@@ -109,32 +109,40 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
     sections: list[Section] = []
     copy = copy_bandwidth(s.copy_mib * 2**20, device=opts.device) if w in ("bandwidth", "all") else None
     bw_entries: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
     if w in ("peer", "all", "bandwidth"):
         t0 = time.perf_counter()
-        sec, kv = peer_section(s, dtype=opts.dtype, device=opts.device, with_peer=opts.peer and w != "bandwidth")
-        sec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        if w != "bandwidth":
-            sections.append(sec)
-        bw_entries += _peer_bandwidth(kv, s)
-        del kv
+        got = _guard("peer", errors, peer_section, s, dtype=opts.dtype, device=opts.device,
+                     with_peer=opts.peer and w != "bandwidth")
+        if got is not None:
+            sec, kv = got
+            sec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            if w != "bandwidth":
+                sections.append(sec)
+            bw_entries += _peer_bandwidth(kv, s)
+            del kv
     if w in ("sharing", "context", "all", "bandwidth"):
         cfg41 = ModelConfig.from_dict(v41_config(s))
         model41 = build_model(cfg41, s.seed, DTYPES[opts.dtype], opts.device)
         if w in ("sharing", "all"):
             t0 = time.perf_counter()
-            ssec = sharing_section(s, lambda share: model41, dtype=opts.dtype, device=opts.device)
-            ssec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-            sections.append(ssec)
+            ssec = _guard("sharing", errors, sharing_section, s, lambda share: model41, dtype=opts.dtype,
+                          device=opts.device)
+            if ssec is not None:
+                ssec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+                sections.append(ssec)
         if w in ("context", "all", "bandwidth"):
             sizes = s if w != "bandwidth" else s.replace(contexts=(min(s.contexts),))
             t0 = time.perf_counter()
-            csec = context_section(sizes, model41, dtype=opts.dtype, device=opts.device)
-            csec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-            if w != "bandwidth":
-                sections.append(csec)
-            bw_entries += _context_bandwidth(csec, model41)
+            csec = _guard("context", errors, context_section, sizes, model41, dtype=opts.dtype, device=opts.device)
+            if csec is not None:
+                csec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+                if w != "bandwidth":
+                    sections.append(csec)
+                bw_entries += _context_bandwidth(csec, model41)
     if copy is not None:
         sections.append(bandwidth_section(copy, bw_entries))
+    header["errors"] = errors
     header["load_after"] = load_note()
     header["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     print_sections(sections, header)
@@ -143,4 +151,18 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
             sec.plot = None
     paths = save(sections, header, opts.out_dir, opts.name)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    for name, err in errors.items():
+        print(f"section {name} FAILED: {err}", file=sys.stderr)
     return sections, header, paths
+
+
+def _guard(name: str, errors: dict[str, str], fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run one section; a failure is recorded (and reported) instead of losing the other sections."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - any failure of one section must not lose the others
+        import traceback
+
+        errors[name] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        return None

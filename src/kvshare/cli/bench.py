@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the selected benchmarks; returns 0 (targets missed are reported, not failures)."""
+    """Run the selected benchmarks; 0 when every section ran (missed targets are reported, not
+    failures), 1 when a section failed (the others are still printed and saved)."""
     from kvshare.bench.suite import BenchOptions, run_suite
     from kvshare.bench.sizes import sizes_from_args
 
@@ -46,5 +47,5 @@ def run(args: argparse.Namespace) -> int:
         which=args.which, sizes=sizes_from_args(args), device=args.device, dtype=args.dtype,
         threads=args.threads, peer=args.peer, plots=args.plots, out_dir=args.out_dir,
         name=args.name or f"bench-{args.which}{'-quick' if args.quick else ''}", quick=args.quick)
-    run_suite(opts)
-    return 0
+    _, header, _ = run_suite(opts)
+    return 1 if header["errors"] else 0
