@@ -178,3 +178,47 @@ def test_internal_error_in_step_fails_requests_in_flight_only(server: Background
     still_serving(server)
     m = httpx.get(server.base_url + "/metrics").text
     assert "kvshare_cache_blocks_used 0" in m
+
+
+class _NeverEndingEngine:
+    """A stand-in engine whose one request never finishes (only the loop's own logic is under test)."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.live.add(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.live.discard(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[Any]:
+        time.sleep(0.01)
+        return []
+
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self.live), "num_blocks_used": len(self.live), "num_blocks_total": 4}
+
+
+def test_engine_loop_stop_fails_requests_in_flight() -> None:
+    import asyncio
+
+    from kvshare.server.engine_loop import EngineLoop
+
+    engine = _NeverEndingEngine()
+    loop = EngineLoop(engine)
+
+    async def main() -> BaseException:
+        loop.start()
+        queue = await loop.add("r1", "x", None)
+        assert engine.live == {"r1"}
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+        return await asyncio.wait_for(queue.get(), timeout=5)
+
+    item = asyncio.run(main())
+    assert isinstance(item, RuntimeError) and "shutting down" in str(item)
+    assert engine.live == set()  # aborted, so its blocks would be freed
+    assert "kvshare_cache_blocks_used 0" in loop.metrics.render()

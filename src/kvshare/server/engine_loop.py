@@ -110,13 +110,23 @@ class EngineLoop:
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
-            for rid in list(self._streams):
-                self._abort(rid)
+            self._close(RuntimeError("the server is shutting down"))
         except BaseException as e:  # the loop must never die silently
             log.exception("engine loop crashed")
             self.error = e
-            for rid in list(self._streams):
-                self._fail(rid, e)
+            self._close(e)
+
+    def _close(self, e: BaseException) -> None:
+        """Fail the requests in flight and refuse the adds still queued."""
+        self._fail_all(e)
+        self._refresh_stats()
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _call(cmd[4].loop, _resolve, cmd[5], e)
 
     def _drain_commands(self) -> None:
         changed = False
@@ -160,18 +170,22 @@ class EngineLoop:
             _call(stream.loop, stream.queue.put_nowait, e)
             self.metrics.on_request_done(aborted=True)
 
+    def _fail_all(self, e: BaseException) -> None:
+        """Fail every request in flight with `e` and abort it in the engine (frees its blocks)."""
+        for rid in list(self._streams):
+            self._fail(rid, e)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.debug("abort of failed request %s", rid, exc_info=True)
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
-            for rid in list(self._streams):
-                self._fail(rid, e)
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:
-                    log.debug("abort after failed step of %s", rid, exc_info=True)
+            self._fail_all(e)
             self._refresh_stats()
             self._backoff = min(_MAX_BACKOFF_S, max(0.01, 2 * self._backoff))
             self._wake.wait(self._backoff)
