@@ -103,10 +103,16 @@ class Transformer(nn.Module):
         """Start (or stop) collecting exact top-k boundary ties into `tie_log` (layer, kind, rows)."""
         self.tie_log = [] if on else None
 
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) for R = batch.logit_rows, or every token row."""
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
+                state: StepState | None = None) -> torch.Tensor:
+        """Logits [R, vocab] (fp32) for R = batch.logit_rows, or every token row.
+
+        `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
+        them afterwards (top-k per index source, the candidate mask); by default a new one is used.
+        """
         cfg = self.cfg
-        ctx = StepContext(batch, cache, StepState(), input_ids, self.rope_main, self.rope_compress, self.tie_log)
+        state = state if state is not None else StepState()
+        ctx = StepContext(batch, cache, state, input_ids, self.rope_main, self.rope_compress, self.tie_log)
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = identity_pre(h.shape[0], cfg.hc_mult, h.device) if cfg.arch == "v41" else None
