@@ -74,13 +74,7 @@ def test_parse_bytes_rejects(text: str) -> None:
 
 
 def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    import torch
-
     from kvshare.cli import main
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a small shared CPU, torch's thread pool oversubscribes and crawls
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # keep the engine from changing it
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nfirst\nsecond\n/exit\nnever read\n"))
     seen: list[list[dict[str, str]]] = []
@@ -95,8 +89,6 @@ def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
     rc = main(["chat", "--model", "tiny-v41", "--max-tokens", "1", "--temperature", "0",
                "--max-model-len", "128", "--max-num-seqs", "1"])
-    monkeypatch.undo()
-    torch.set_num_threads(threads)
     assert rc == 0
     out = capsys.readouterr().out
     assert "(conversation reset)" in out

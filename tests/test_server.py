@@ -25,17 +25,6 @@ MAX_TOKENS = 8
 PROMPTS = [f"prompt {i}: " + "abcdefghij"[: i % 10] for i in range(32)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a small shared CPU, torch's thread pool oversubscribes and crawls."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llm() -> Any:
     from kvshare.llm import LLM

@@ -19,17 +19,6 @@ MODEL = "tiny-v41"
 MAX_MODEL_LEN = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a small shared CPU, torch's thread pool oversubscribes and crawls."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engine() -> Any:
     from kvshare.engine.engine import LLMEngine
