@@ -228,3 +228,22 @@ def test_kvshare_serve_command(tmp_path: Any) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_logprobs_of_chosen_tokens(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == r.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs) and lp.text_offset[0] == 0
+
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           logprobs=True)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content])
+    assert [c.bytes for c in streamed] == [c.bytes for c in content]

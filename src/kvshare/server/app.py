@@ -80,7 +80,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         if isinstance(prompt, list):
             _check_ids(state, prompt)
         params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
-        return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage)
+        return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage,
+                              req.wants_logprobs)
 
     @app.post("/v1/chat/completions")
     @_guarded(state)
@@ -94,7 +95,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             raise APIError(400, str(e), param="messages", code="invalid_value") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
-        return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage)
+        return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
+                              req.wants_logprobs)
 
     return app
 
@@ -184,4 +186,5 @@ def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_pro
                             f"model's context of {limit} tokens", param="max_tokens",
                        code="context_length_exceeded")
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                          max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos)
+                          max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos,
+                          logprobs=req.wants_logprobs)

@@ -88,7 +88,7 @@ class ClientGone(Exception):
 
 
 async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
-                   stream: bool, include_usage: bool) -> Response:
+                   stream: bool, include_usage: bool, logprobs: bool = False) -> Response:
     """Run one request through the engine; reply with an SSE stream or one JSON body."""
     slot = _Slot(state)
     try:
@@ -102,7 +102,8 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
         except Exception as e:
             log.exception("adding request %s failed", rid)
             raise internal_error(e) from e
-        builder = ResponseBuilder(kind, rid, state.model_name)  # type: ignore[arg-type]
+        builder = ResponseBuilder(kind, rid, state.model_name,  # type: ignore[arg-type]
+                                  tokenizer=state.tokenizer if logprobs else None)
         if stream:
             events = _events(state, slot, queue, builder, include_usage, list(getattr(params, "stop", None) or []))
             return _GuardedStream(events, slot.close)
@@ -163,10 +164,10 @@ async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder
             out = await _next_output(queue, None)
             text = deltas.next(out)
             if text:
-                yield builder.delta_chunk(text)
+                yield builder.delta_chunk(text, out)
             if out.finished:
                 slot.finished = True
-                yield builder.finish_chunk(out.finish_reason)
+                yield builder.finish_chunk(out.finish_reason, out)
                 if include_usage:
                     yield builder.usage_chunk(out)
                 break

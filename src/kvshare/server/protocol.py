@@ -3,7 +3,9 @@
 Requests validate their sampling values here, so a bad value is a 400 naming the parameter
 before anything reaches the engine. Fields OpenAI defines but kvshare does not use are accepted
 and ignored (clients send them by default); fields that would change the result in a way kvshare
-cannot honour (`n` > 1, `best_of` > 1, `echo`) are rejected.
+cannot honour (`n` > 1, `best_of` > 1, `echo`, alternatives in `logprobs` / `top_logprobs`)
+are rejected. Log-probabilities of the chosen tokens are supported (`logprobs: 0` for
+completions, `logprobs: true` for chat).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # 0: the chosen tokens' logprobs (alternatives are not supported)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -133,6 +135,18 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v not in (None, 0):
+            raise ValueError("only logprobs = 0 is supported (the chosen tokens' log-probabilities)")
+        return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the reply carries the chosen tokens' log-probabilities."""
+        return self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -160,6 +174,14 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        if v not in (None, 0):
+            raise ValueError("only top_logprobs = 0 is supported (the chosen tokens' log-probabilities)")
+        return v
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -167,6 +189,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if v is not None and v < 1:
             raise ValueError("max_completion_tokens must be >= 1")
         return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the reply carries the chosen tokens' log-probabilities."""
+        return self.logprobs
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as plain {role, content} dicts for a chat template."""

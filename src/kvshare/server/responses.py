@@ -23,15 +23,47 @@ def finish_reason_of(out: Any) -> str | None:
 
 @dataclass
 class ResponseBuilder:
-    """Builds the bodies of one response: its id, model and creation time are fixed up front."""
+    """Builds the bodies of one response: its id, model and creation time are fixed up front.
+
+    With `tokenizer` set, choices carry the chosen tokens' log-probabilities in OpenAI's shape
+    (completions: tokens / token_logprobs / text_offset; chat: content entries); a stream sends
+    each token's entry once, on the next chunk after the token arrives.
+    """
 
     kind: Kind
     response_id: str
     model: str
     created: int = 0
+    tokenizer: Any = None
+    _lp_sent: int = 0
+    _text_offset: int = 0
 
     def __post_init__(self) -> None:
         self.created = self.created or now()
+
+    def _logprobs(self, ids: list[int], lps: list[float] | None) -> dict[str, Any] | None:
+        """The logprobs object for tokens `ids` (None when not asked for)."""
+        if self.tokenizer is None:
+            return None
+        lps = list(lps or [])[: len(ids)]
+        pieces = [self.tokenizer.decode([t]) for t in ids[: len(lps)]]
+        if self.kind == "chat":
+            content = [{"token": p, "logprob": lp, "bytes": list(token_bytes(self.tokenizer, t, p)),
+                        "top_logprobs": []} for t, p, lp in zip(ids, pieces, lps)]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for p in pieces:
+            offsets.append(self._text_offset)
+            self._text_offset += len(p)
+        return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+    def _new_logprobs(self, out: Any) -> dict[str, Any] | None:
+        """Logprobs of the tokens of `out` not yet sent on this stream."""
+        if self.tokenizer is None or out is None:
+            return None
+        ids, lps = list(out.token_ids), list(out.logprobs or [])
+        start, self._lp_sent = self._lp_sent, len(lps)
+        return self._logprobs(ids[start:len(lps)], lps[start:])
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
@@ -42,41 +74,44 @@ class ResponseBuilder:
     def full(self, out: Any) -> dict[str, Any]:
         """The non-streaming body for a finished request."""
         reason = finish_reason_of(out)
+        logprobs = self._logprobs(list(out.token_ids), out.logprobs)
         if self.kind == "completion":
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("text_completion", [choice])
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": None, "finish_reason": reason}
+                      "logprobs": logprobs, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         body["usage"] = usage_of(out).model_dump()
         return body
 
     # ---- stream chunks -----------------------------------------------------------------------
 
-    def _chunk(self, delta_text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def _chunk(self, delta_text: str | None, reason: str | None, first: bool = False,
+               out: Any = None) -> dict[str, Any]:
+        logprobs = self._new_logprobs(out)
         if self.kind == "completion":
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": reason}
             return self._envelope("text_completion", [choice])
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if delta_text is not None:
             delta["content"] = delta_text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope("chat.completion.chunk", [choice])
 
     def role_chunk(self) -> str:
         """Chat streams open with the assistant role and empty content."""
         return sse(self._chunk("", None, first=True))
 
-    def delta_chunk(self, text: str) -> str:
-        """New text."""
-        return sse(self._chunk(text, None))
+    def delta_chunk(self, text: str, out: Any = None) -> str:
+        """New text (and the logprobs of `out`'s tokens not sent yet)."""
+        return sse(self._chunk(text, None, out=out))
 
-    def finish_chunk(self, reason: str | None) -> str:
-        """The chunk that carries finish_reason (no new text)."""
-        return sse(self._chunk(None if self.kind == "chat" else "", reason))
+    def finish_chunk(self, reason: str | None, out: Any = None) -> str:
+        """The chunk that carries finish_reason (no new text; any logprobs still unsent)."""
+        return sse(self._chunk(None if self.kind == "chat" else "", reason, out=out))
 
     def usage_chunk(self, out: Any) -> str:
         """`stream_options.include_usage`: a last chunk with no choices and the usage counts."""
@@ -84,6 +119,15 @@ class ResponseBuilder:
         body = self._envelope(obj, [])
         body["usage"] = usage_of(out).model_dump()
         return sse(body)
+
+
+def token_bytes(tokenizer: Any, token_id: int, piece: str) -> bytes:
+    """The bytes a token stands for: the byte itself for byte-level ids, else its text in UTF-8."""
+    from kvshare.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
+    return piece.encode("utf-8")
 
 
 def sse(obj: dict[str, Any]) -> str:
