@@ -186,7 +186,7 @@ def test_metrics_exposition(server: BackgroundServer) -> None:
     for name in ("kvshare_requests_running", "kvshare_requests_waiting", "kvshare_cache_blocks_used",
                  "kvshare_cache_blocks_total", "kvshare_generated_tokens_total",
                  "kvshare_generation_tokens_per_second", "kvshare_prompt_tokens_per_second",
-                 "kvshare_engine_prompt_tokens_total"):
+                 "kvshare_engine_prompt_tokens_total", "kvshare_cache_bytes_used", "kvshare_cache_bytes_total"):
         assert f"# TYPE {name} " in text and re.search(rf"^{name} \S+$", text, re.M), name
     m = metrics(server)
     assert m["kvshare_cache_blocks_total"] > 0 and m["kvshare_generated_tokens_total"] > 0

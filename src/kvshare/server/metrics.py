@@ -137,6 +137,9 @@ class ServerMetrics:
         bpb = stat(stats, *_ENGINE_GAUGES["kvshare_cache_bytes_per_block"][0])
         if used is not None and bpb is not None:
             metric("kvshare_cache_bytes_used", "gauge", "Bytes of the KV-cache blocks in use.", used * bpb)
+        reported_total = stat(stats, *_ENGINE_GAUGES["kvshare_cache_bytes_total"][0])
+        if total is not None and bpb is not None and reported_total is None:
+            metric("kvshare_cache_bytes_total", "gauge", "Bytes of all KV-cache blocks in the pool.", total * bpb)
         if used is not None and total:
             metric("kvshare_cache_usage_ratio", "gauge", "Fraction of KV-cache blocks in use.", used / total)
         metric("kvshare_http_requests_active", "gauge", "Generation requests being served over HTTP.",
