@@ -33,6 +33,17 @@ def train_cache_factory(model: Any, batch: StepBatch) -> Any:
     return TrainCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
 
 
+def prepare(model: Any, contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
+    """(input ids [T], targets [T], StepBatch): all but the last token of each context, from position 0."""
+    if not contexts or min(int(c.numel()) for c in contexts) < 2:
+        raise ValueError("every context needs at least 2 tokens (one input, one target)")
+    device = next(model.parameters()).device
+    inputs = torch.cat([c[:-1] for c in contexts]).to(device)
+    targets = torch.cat([c[1:] for c in contexts]).to(device)
+    lens = [int(c.numel()) - 1 for c in contexts]
+    return inputs, targets, StepBatch.build([0] * len(lens), lens, device=device)
+
+
 def forward_contexts(
     model: Any, contexts: list[torch.Tensor], cache_factory: CacheFactory = dense_cache_factory
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,16 +51,20 @@ def forward_contexts(
 
     Every context is one sequence of the step, starting at position 0.
     """
-    if not contexts or min(int(c.numel()) for c in contexts) < 2:
-        raise ValueError("every context needs at least 2 tokens (one input, one target)")
-    device = next(model.parameters()).device
-    inputs = torch.cat([c[:-1] for c in contexts]).to(device)
-    targets = torch.cat([c[1:] for c in contexts]).to(device)
-    lens = [int(c.numel()) - 1 for c in contexts]
-    batch = StepBatch.build([0] * len(lens), lens, device=device)
-    cache = cache_factory(model, batch)
-    logits = model(inputs, batch, cache)
+    inputs, targets, batch = prepare(model, contexts)
+    logits = model(inputs, batch, cache_factory(model, batch))
     return logits, targets
+
+
+def train_losses(model: Any, contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-byte cross-entropy, indexer distillation KL) of one training step (`indexer_loss.py`)."""
+    from kvshare.train.indexer_loss import capture, indexer_kl
+
+    inputs, targets, batch = prepare(model, contexts)
+    cache = train_cache_factory(model, batch)
+    with capture(model) as cap:
+        logits = model(inputs, batch, cache)
+    return F.cross_entropy(logits.float(), targets), indexer_kl(model, cap, cache, batch)
 
 
 def lm_loss(

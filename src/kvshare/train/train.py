@@ -1,11 +1,13 @@
 """Train kvshare-mini-v41 on the CPython stdlib sources, on the CPU, through the inference model.
 
-    python -m kvshare.train.train --steps 170 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
+    python -m kvshare.train.train --steps 240 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
 
 Seeded and deterministic for a given (seed, steps, threads): model init from ``--seed``, data
 sampling from its own generator seeded ``seed + 1``. AdamW with a linear warm-up then cosine decay
 over ``--steps``; ``--minutes`` is a safety cap (the run stops early, saves, and says so). The model
-runs with quantisation ON (FP8 / FP4 fake-quant with straight-through gradients). Every
+runs with quantisation ON (FP8 / FP4 fake-quant with straight-through gradients); the loss is the
+next-byte cross-entropy plus ``--indexer-weight`` times the indexer distillation KL
+(`indexer_loss.py`), which is what trains the lightning indexers' own projections. Every
 ``--resume-every`` steps the full state (model, optimizer, data generator) goes to
 ``<run-dir>/resume.pt`` so an interrupted run continues bit-for-bit with ``--resume``.
 """
@@ -25,7 +27,7 @@ import torch
 from kvshare.config import load_config
 from kvshare.model.loader import save_checkpoint
 from kvshare.train.data import build_manifest, load_split, sample_contexts, save_manifest, verify_manifest
-from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_cache_factory
+from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "kvshare-mini-v41"
 
@@ -36,7 +38,7 @@ class TrainConfig:
 
     model: str = "kvshare-mini-v41"
     seed: int = 0
-    steps: int = 170
+    steps: int = 240
     minutes: float = 48.0
     batch: int = 4
     ctx_min: int = 256
@@ -46,6 +48,7 @@ class TrainConfig:
     warmup: int = 20
     weight_decay: float = 0.05
     grad_clip: float = 1.0
+    indexer_weight: float = 0.1
     threads: int = 1
     quant: bool = True
     val_every: int = 50
@@ -122,20 +125,20 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
         for g in opt.param_groups:
             g["lr"] = lr
         ctx = _contexts(split, tc, gen)
-        loss = lm_loss(model, ctx, train_cache_factory)
+        loss, kl = train_losses(model, ctx)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + tc.indexer_weight * kl).backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
         opt.step()
         step += 1
         el = time.time() - t0
-        lv = float(loss.detach())
+        lv, kv = float(loss.detach()), float(kl.detach())
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss became {lv} at step {step}")
-        log["steps"].append({"step": step, "loss": round(lv, 5), "lr": lr, "grad_norm": round(gnorm, 4),
-                             "tokens": sum(int(c.numel()) - 1 for c in ctx), "elapsed_s": round(el, 2)})
+        log["steps"].append({"step": step, "loss": round(lv, 5), "indexer_kl": round(kv, 5), "lr": lr,
+                             "grad_norm": round(gnorm, 4), "tokens": sum(int(c.numel()) - 1 for c in ctx), "elapsed_s": round(el, 2)})
         if step % 10 == 0 or step == 1:
-            print(f"step {step:5d}  loss {lv:.4f}  bpb {lv / math.log(2):.3f}  lr {lr:.2e}  "
+            print(f"step {step:5d}  loss {lv:.4f}  bpb {lv / math.log(2):.3f}  kl {kv:.3f}  lr {lr:.2e}  "
                   f"gnorm {gnorm:.2f}  {el / 60:.1f} min", flush=True)
         if step % tc.val_every == 0 or step == tc.steps:
             vl = _val_loss(model, val)
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m kvshare.train.train", description=__doc__.split("\n")[0])
     for name in ("model", "seed", "steps", "minutes", "batch", "ctx_min", "ctx_max", "lr", "min_lr_ratio",
-                 "warmup", "weight_decay", "grad_clip", "threads", "val_every", "resume_every"):
+                 "warmup", "weight_decay", "grad_clip", "indexer_weight", "threads", "val_every", "resume_every"):
         ap.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
     ap.add_argument("--no-quant", action="store_true", help="train without fake-quant (not the release setting)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="release directory")
