@@ -103,6 +103,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self._refresh_stats()  # /metrics shows the pool before the first request
             while not self._stop.is_set():
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
