@@ -181,7 +181,8 @@ def test_disconnected_whole_reply_request_is_aborted(server: BackgroundServer) -
     assert m["kvshare_requests_aborted_total"] == aborted + 1
 
 
-def test_metrics_exposition(server: BackgroundServer) -> None:
+def test_metrics_exposition(server: BackgroundServer, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=2, temperature=0)
     text = httpx.get(server.base_url + "/metrics").text
     for name in ("kvshare_requests_running", "kvshare_requests_waiting", "kvshare_cache_blocks_used",
                  "kvshare_cache_blocks_total", "kvshare_generated_tokens_total",
