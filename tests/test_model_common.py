@@ -23,7 +23,19 @@ from kvshare.runtime import StepBatch, StepState
 from kvshare.shipped import resolve_config_path
 from kvshare.topology import Role, Topology
 
-MAX_LEN = 96
+MAX_LEN = 160
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are dispatch-bound: one torch thread is faster on shared CPUs (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cand_config(**overrides: Any) -> ModelConfig:

@@ -10,6 +10,11 @@ Storage, allocated lazily on first use:
 Invariant: a sequence's history must be fed in position order, chunk after chunk, in the same
 slot (a new sequence starting at position 0 may reuse a slot without clearing it: rows of
 positions < 0 are never read, and compressed rows are rewritten before they become visible).
+
+Gradients: with autograd on and values that require grad, compressed-row writes are out of place,
+so a loss reaches the compressor and index-key projections through rows read later in the same
+forward (training runs one prefill per fresh cache); history rows of this step are returned
+undetached. What is kept for later steps is always detached.
 """
 
 from __future__ import annotations
@@ -71,9 +76,13 @@ class DenseCache:
                    batch: StepBatch) -> None:
         table = self._table(kind, layer, values.shape[-1])
         assert table is not None
-        if int(index.max()) >= table.shape[1]:
+        if index.numel() and int(index.max()) >= table.shape[1]:
             raise IndexError(f"compressed row {int(index.max())} of layer {layer} exceeds max_len {self.max_len}")
-        table[batch.slots[seq], index] = values.detach().to(table.dtype)
+        if values.requires_grad and torch.is_grad_enabled():
+            # Training: rebuild the table out of place so later reads in this forward carry gradients.
+            self.rows[(kind, layer)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
+        else:
+            table[batch.slots[seq], index] = values.detach().to(table.dtype)
 
     def _width(self, kind: str) -> int:
         return self.cfg.head_dim if kind == "kv" else self.cfg.index_head_dim
