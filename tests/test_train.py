@@ -22,7 +22,7 @@ from kvshare.train.data import (
     sample_contexts,
     verify_manifest,
 )
-from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_cache_factory
+from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_cache_factory, train_losses
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +94,19 @@ def test_train_cache_matches_dense_cache_and_reaches_the_compressor() -> None:
     loss.backward()
     comp = [p for n, p in model.named_parameters() if ".compressor." in n and n.endswith("wkv.weight")]
     assert comp and all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in comp)
+
+
+def test_indexer_distillation_trains_every_indexer_projection() -> None:
+    model = _tiny_byte_model(seed=2)
+    ctx = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (37, 30)]
+    lm, kl = train_losses(model, ctx)
+    with torch.no_grad():
+        assert float(lm) == pytest.approx(float(lm_loss(model, ctx, dense_cache_factory)), abs=1e-5)
+    assert float(kl.detach()) >= 0.0
+    kl.backward()
+    idx = [(n, p) for n, p in model.named_parameters() if ".indexer." in n]
+    assert idx and all(p.grad is not None and float(p.grad.abs().sum()) > 0 for _, p in idx), \
+        [n for n, p in idx if p.grad is None or float(p.grad.abs().sum()) == 0]
 
 
 def test_a_few_training_steps_lower_the_loss() -> None:

@@ -1,6 +1,6 @@
 """Evaluate the shipped byte model: held-out bits per byte, baselines, sample generations.
 
-    python -m kvshare.train.eval [--model kvshare-mini-v41] [--max-bytes 65536] [--chunk 384]
+    python -m kvshare.train.eval [--model kvshare-mini-v41] [--max-bytes 32768] [--chunk 384]
 
 Bits per byte are computed on the same held-out pieces (``data.eval_chunks``: held-out files cut
 into pieces of at most ``--chunk`` bytes, each fed as ``[bos] + piece``, every byte a target) by
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry: print the bits-per-byte table and the samples; optionally write JSON."""
     ap = argparse.ArgumentParser(prog="python -m kvshare.train.eval", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="kvshare-mini-v41", help="shipped model name or checkpoint directory")
-    ap.add_argument("--max-bytes", type=int, default=65536, help="held-out bytes to score (evenly spaced pieces)")
+    ap.add_argument("--max-bytes", type=int, default=32768, help="held-out bytes to score (evenly spaced pieces)")
     ap.add_argument("--chunk", type=int, default=384, help="piece length in bytes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-engine", action="store_true", help="skip the engine path and the samples")
