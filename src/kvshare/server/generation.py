@@ -120,8 +120,8 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
             slot.close()
 
 
-async def _next_output(queue: asyncio.Queue, request: Request | None) -> Any:
-    """The next queue item; raises ClientGone when `request`'s client disconnects meanwhile."""
+async def _next_output(queue: asyncio.Queue, request: Request | None = None) -> Any:
+    """The next queue item; raises ClientGone when `request`'s client disconnects while none comes."""
     while True:
         try:
             item = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
@@ -135,13 +135,15 @@ async def _next_output(queue: asyncio.Queue, request: Request | None) -> Any:
 
 
 async def _collect(slot: _Slot, queue: asyncio.Queue, request: Request) -> Any:
-    """Wait for the final output of a non-streaming request."""
+    """Wait for the final output of a non-streaming request (aborted if the client goes away)."""
     try:
         while True:
             out = await _next_output(queue, request)
             if out.finished:
                 slot.finished = True
                 return out
+            if await request.is_disconnected():  # also while outputs keep coming
+                raise ClientGone()
     except (ClientGone, APIError):
         raise
     except Exception as e:
