@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
+from jinja2.exceptions import TemplateError
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -91,8 +92,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         try:
             conversation = req.conversation()
             prompt_ids = list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from e
+        except (ValueError, TemplateError) as e:  # e.g. a template's raise_exception on role order
+            raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
         return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
