@@ -11,7 +11,9 @@ from kvshare.model.linear import QLinear
 from kvshare.model.quantize import fit_block
 from kvshare.quant import fake_quant_fp4, fake_quant_fp8
 from kvshare.runtime import StepBatch
-from test_model_common import MAX_LEN, make_model, run_chunks, token_ids, one_thread  # noqa: F401 (fixture)
+from test_model_common import (  # noqa: F401 (one_thread is a fixture)
+    MAX_LEN, make_model, run_chunks, token_ids, one_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

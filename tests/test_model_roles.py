@@ -14,7 +14,9 @@ import torch
 from kvshare.model import DenseCache
 from kvshare.runtime import StepBatch, StepState
 from kvshare.topology import Role, Topology
-from test_model_common import MAX_LEN, assert_close, cand_config, make_model, run_chunks, token_ids, one_thread  # noqa: F401 (fixture)
+from test_model_common import (  # noqa: F401 (one_thread is a fixture)
+    MAX_LEN, assert_close, cand_config, make_model, run_chunks, token_ids, one_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,9 @@ import torch
 
 from kvshare.model import DenseCache
 from kvshare.runtime import StepBatch
-from test_model_common import MAX_LEN, assert_close, make_model, run_chunks, token_ids, one_thread  # noqa: F401
+from test_model_common import (  # noqa: F401 (one_thread is a fixture)
+    MAX_LEN, assert_close, make_model, run_chunks, token_ids, one_thread,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

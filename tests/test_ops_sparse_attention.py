@@ -46,3 +46,10 @@ def test_index_scores_formula_and_batch_shape_invariance() -> None:
         assert torch.equal(alone[0], got[r])
         wide = torch.cat([keys[seq[r]:seq[r] + 1], torch.zeros(1, 9, d)], dim=1)
         assert torch.equal(index_scores(q[r:r + 1], w[r:r + 1], wide, torch.tensor([0]))[0, :length], got[r])
+
+
+def test_index_scores_do_not_depend_on_the_row_block_size() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, w = torch.randn(37, 8, 16, generator=g), torch.randn(37, 8, generator=g)
+    keys, seq = torch.randn(2, 50, 16, generator=g), torch.randint(0, 2, (37,), generator=g)
+    assert torch.equal(index_scores(q, w, keys, seq), index_scores(q, w, keys, seq, budget=1000))

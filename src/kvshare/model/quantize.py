@@ -8,7 +8,7 @@ Rounding per architecture (all wrapped in `straight_through`, so training sees i
 
 | tensor                      | V4.1                                   | V4                                   |
 |-----------------------------|----------------------------------------|--------------------------------------|
-| window KV (after RoPE)      | FP8 e4m3, all dims, block 32, ue8m0    | FP8 on the nope dims, block 64, ue8m0; rope dims untouched |
+| window KV (after RoPE)      | FP8 e4m3, all dims, block 32, ue8m0    | FP8 nope dims, block 64; rope as is  |
 | compressed KV (after RoPE)  | FP4 e2m1, block 16, e4m3 scales        | same as its window KV                |
 | index K and Q (after RoPE)  | FP4 e2m1, block 32, ue8m0              | Hadamard rotation, then the same FP4 |
 | GEMM inputs of FP8/FP4 weights | FP8 e4m3, block `cfg.act_quant_block`, ue8m0 | same                          |
