@@ -46,7 +46,7 @@ class BenchSizes:
     new_tokens: int = 32
     batches: tuple[int, ...] = (1, 8)
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
-    context_steps: int = 8
+    context_steps: int = 12
     prefill_chunk: int = 512
     context_budget_s: int = 420
     sharing_context: int = 1024
