@@ -25,9 +25,10 @@ from kvshare.model.quantize import KVQuantizer
 from kvshare.runtime import StepBatch
 
 MAX_TOKENS = 4
-# fp32 reduction order differs between batch shapes (~1e-6); fake-quant can turn that into one
-# flipped rounding step of an fp8 / fp4 value, hence the looser bound with quant on.
-LOGIT_TOL = {False: 1e-3, True: 5e-2}
+# fp32 reduction order differs between batch shapes (~1e-6). With quant on, fake-quant could turn
+# such a difference into a flipped fp8 / fp4 rounding step, so quant-on cases run in float64:
+# batch-shape noise (~1e-16) then never reaches a rounding boundary, and the bound is fp32 rounding.
+LOGIT_TOL = {False: 1e-3, True: 1e-5}  # logits come back as fp32
 PROMPT_LENS = {"v41": [1, 7, 19, 33, 12], "v4": [126, 3, 20, 127, 9]}
 
 
@@ -64,6 +65,8 @@ def case(name: str, quant: bool):
     if (name, quant) not in _CACHE:
         cfg = load_config(name)
         model = Transformer(cfg, quant=quant).init_weights(1).eval()
+        if quant:
+            model = model.double()
         rng = random.Random(hash(name) % 1000)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in PROMPT_LENS[cfg.arch]]
         with torch.inference_mode():
