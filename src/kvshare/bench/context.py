@@ -1,14 +1,15 @@
 """Context scaling: decode step time of a V4.1-shaped model at growing contexts, vs dense attention.
 
-For each context C one sequence's prompt of C tokens is prefilled through the paged engine (in
-chunks of `prefill_chunk` tokens), then `context_steps` decode steps are timed (median). Contexts
-are measured in ascending order within `context_budget_s` seconds: the next context's run time
-is predicted from the measured ones (a + b C + c C^2 through the last points; prefill has a
-quadratic indexer term) and a context predicted to overrun the budget is skipped and reported. Next to
-it: the time dense attention alone would take per decode step at C (every layer over all C
-positions, same head shapes; `kvshare.bench.dense`). The sparse path should stay near-flat (its
-attention reads top-k entries plus the window; only the indexer scores grow with C), while dense
-attention grows linearly.
+For each context C one sequence's prompt of C tokens is prefilled through its own paged engine
+(in chunks of `prefill_chunk` tokens); then `context_steps` decode steps of every context are
+timed, one step per context in turn (so load changes on a shared machine hit all contexts
+alike), and the median is kept. Contexts are prefilled in ascending order within
+`context_budget_s` seconds: the next context's prefill time is predicted from the measured ones
+(a quadratic through the last three points; prefill has a quadratic indexer term) and a context
+predicted to overrun the budget is skipped and reported. Next to it: the time dense attention
+alone would take per decode step at C (every layer over all C positions, same head shapes;
+`kvshare.bench.dense`). The sparse path should stay near-flat (its attention reads top-k entries
+plus the window; only the indexer scores grow with C), while dense attention grows linearly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from kvshare.bench.dense import dense_attention_step
 from kvshare.bench.gen import equal_length_prompts
-from kvshare.bench.kv_runner import DTYPES, engine_layout, kv_generate, make_engine
+from kvshare.bench.kv_runner import DTYPES, engine_layout, kv_decode_interleaved, kv_generate, kv_prefill, make_engine
 from kvshare.bench.measure import now
 from kvshare.bench.report import Section, Target
 from kvshare.bench.sizes import BenchSizes
@@ -37,29 +38,32 @@ def context_section(s: BenchSizes, model: torch.nn.Module, *, dtype: str, device
                   ["context", "prefill s", "decode step ms", "vs first", "dense attn ms", "dense-engine est. ms",
                    "est. vs first"])
     rows: list[dict[str, Any]] = []
+    engines: list[Any] = []
     skipped: list[tuple[int, float]] = []
     t_section = now(device)
     for c in contexts:
         if rows:
-            pred = predict_seconds([(r["context"], r["total_s"]) for r in rows], c)
+            pred = predict_seconds([(r["context"], r["prefill_s"]) for r in rows], c)
             if now(device) - t_section + pred > s.context_budget_s:
                 skipped.append((c, pred))
                 continue
         prompts = equal_length_prompts(1, c, s.vocab, s.seed + c)
-        engine = make_engine(model, batch=1, max_len=c + s.context_steps + 1, block_size=s.block_size,
+        engine = make_engine(model, batch=1, max_len=c + s.context_steps + 2, block_size=s.block_size,
                              dtype=dtype, device=device, max_batched_tokens=min(c, s.prefill_chunk))
         if not rows:  # warm-up on the first (smallest) context's engine
             kv_generate(engine, prompts[:, : min(c, 64)], 2, device, tag="w")
-        t0 = now(device)
-        res = kv_generate(engine, prompts, s.context_steps + 1, device)
-        total = now(device) - t0
+        prefill_s = kv_prefill(engine, prompts, s.context_steps + 2, device)
         layout = engine_layout(engine)
-        dense = dense_attention_step(1, cfg.num_attention_heads, cfg.head_dim, c, cfg.num_hidden_layers,
+        rows.append({"context": c, "prefill_s": prefill_s, "bytes_per_token": layout.bytes_per_token,
+                     "state_bytes_per_seq": layout.state_bytes_per_seq})
+        engines.append(engine)
+    for r, t in zip(rows, kv_decode_interleaved(engines, s.context_steps, device)):
+        r.update(step_s=t.median, decode=t.as_dict())
+    del engines
+    for r in rows:
+        dense = dense_attention_step(1, cfg.num_attention_heads, cfg.head_dim, r["context"], cfg.num_hidden_layers,
                                      DTYPES[dtype], device, repeats=max(3, s.context_steps))
-        rows.append({"context": c, "prefill_s": res.prefill_s, "total_s": total, "step_s": res.decode.median,
-                     "decode": res.decode.as_dict(), "dense_attention_s": dense.median,
-                     "bytes_per_token": layout.bytes_per_token, "state_bytes_per_seq": layout.state_bytes_per_seq})
-        del engine
+        r["dense_attention_s"] = dense.median
     base, dbase = rows[0]["step_s"], rows[0]["dense_attention_s"]
     for r in rows:
         r["dense_engine_est_s"] = base + r["dense_attention_s"] - dbase

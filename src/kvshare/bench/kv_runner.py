@@ -93,6 +93,40 @@ def kv_generate(engine: Any, prompts: torch.Tensor, new_tokens: int, device: str
     return GenResult("kvshare", batch, length, [tokens.get(r, []) for r in ids], prefill_s, decode)
 
 
+def kv_prefill(engine: Any, prompts: torch.Tensor, new_tokens: int, device: str = "cpu",
+               tag: str = "p") -> float:
+    """Add the prompts and step until every request has its first token; returns the seconds."""
+    params = greedy(new_tokens)
+    t0 = now(device)
+    for i, p in enumerate(prompts.tolist()):
+        engine.add_request(f"{tag}{i}", p, params)
+    started: set[str] = set()
+    while len(started) < prompts.shape[0] and engine.has_unfinished_requests():
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    return now(device) - t0
+
+
+def kv_decode_interleaved(engines: list[Any], steps: int, device: str = "cpu") -> list[StepTimes]:
+    """Time `steps` decode steps of every engine, one step of each in turn, then finish them.
+
+    Interleaving spreads a shared machine's load changes over all engines alike, so their step
+    times compare even when the load drifts during the measurement.
+    """
+    times = [StepTimes() for _ in engines]
+    for _ in range(steps):
+        for e, t in zip(engines, times):
+            if e.has_unfinished_requests():
+                t0 = now(device)
+                outs = e.step()
+                dt = now(device) - t0
+                if outs:
+                    t.add(dt)
+    for e in engines:
+        while e.has_unfinished_requests():
+            e.step()
+    return times
+
+
 def kv_run(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, *, block_size: int,
            dtype: str, device: str, warmup: bool = True) -> tuple[GenResult, Any]:
     """Build an engine for this batch, warm it up, time one generation; memory covers engine + run."""
