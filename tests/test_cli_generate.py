@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from kvshare.cli import build_parser
-from kvshare.cli.engine_args import add_engine_args, engine_args_from, parse_bytes
+from kvshare.cli.arg_types import parse_bytes
+from kvshare.cli.engine_args import add_engine_args, engine_args_from
 
 
 def test_generate_subprocess_streams_and_reports() -> None:

@@ -15,12 +15,6 @@ from kvshare.tokenizer import ByteTokenizer
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -51,13 +51,6 @@ def reference(model: Transformer, prompt: list[int], n: int) -> tuple[list[int],
 _CACHE: dict[tuple[str, bool], tuple] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (10x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def case(name: str, quant: bool):

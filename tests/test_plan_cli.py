@@ -10,7 +10,7 @@ import pytest
 
 from kvshare.cache.layout import CacheLayout
 from kvshare.cli import main
-from kvshare.cli.plan import parse_memory
+from kvshare.cli.arg_types import parse_bytes as parse_memory
 from kvshare.config import load_config
 from kvshare.shipped import CONFIG_DIR
 from kvshare.topology import Topology

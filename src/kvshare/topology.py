@@ -206,6 +206,22 @@ def _check_ids(cfg: ModelConfig, name: str, ids: tuple[int, ...]) -> None:
                               field=name, layer=s, fix="list only compressed layers as sources")
 
 
+def _same_ratio_source(cfg: ModelConfig, sources: tuple[int, ...], field: str, what: str, layer: int,
+                       mismatch_field: str) -> int:
+    """The latest source at or before `layer`; it must exist and have the layer's ratio."""
+    r = cfg.compress_ratios[layer]
+    src = _latest(sources, layer)
+    if src is None:
+        raise ConfigError(f"compressed layer (ratio {r}) has no {what} source at or before it", field=field,
+                          layer=layer, fix=f"add a {what} source at or before layer {layer}")
+    if cfg.compress_ratios[src] != r:
+        raise ConfigError(f"ratio {r} differs from its {what} source {src}'s ratio {cfg.compress_ratios[src]}",
+                          field=mismatch_field, layer=layer,
+                          fix=f"add a {what} source of ratio {r} at or before layer {layer}, "
+                              f"or give it ratio {cfg.compress_ratios[src]}")
+    return src
+
+
 def _v41_plans(cfg: ModelConfig, topo: Topology) -> tuple[LayerPlan, ...]:
     n = cfg.num_hidden_layers
     kv = tuple(sorted(cfg.kv_source_layer_ids))
@@ -247,24 +263,9 @@ def _v41_plans(cfg: ModelConfig, topo: Topology) -> tuple[LayerPlan, ...]:
         if layer >= n or r == 0:
             plans.append(_swa_plan(layer, layer >= n))
             continue
-        ks = _latest(kv, layer)
-        if ks is None:
-            raise ConfigError(f"compressed layer (ratio {r}) has no kv source at or before it",
-                              field="kv_source_layer_ids", layer=layer,
-                              fix=f"add a kv source at or before layer {layer}")
-        if cfg.compress_ratios[ks] != r:
-            raise ConfigError(f"ratio {r} differs from its kv source {ks}'s ratio {cfg.compress_ratios[ks]}",
-                              field="compress_ratios", layer=layer,
-                              fix=f"make layer {layer} a kv source, or give it ratio {cfg.compress_ratios[ks]}")
-        isrc = _latest(idx, layer)
-        if isrc is None:
-            raise ConfigError(f"compressed layer (ratio {r}) has no index source at or before it",
-                              field="index_source_layer_ids", layer=layer,
-                              fix=f"add an index source at or before layer {layer}")
-        if cfg.compress_ratios[isrc] != r:
-            raise ConfigError(f"ratio {r} differs from its index source {isrc}'s ratio {cfg.compress_ratios[isrc]}",
-                              field="index_source_layer_ids", layer=layer,
-                              fix=f"add an index source of ratio {r} at or before layer {layer}")
+        ks = _same_ratio_source(cfg, kv, "kv_source_layer_ids", "kv", layer, "compress_ratios")
+        isrc = _same_ratio_source(cfg, idx, "index_source_layer_ids", "index", layer,
+                                  "index_source_layer_ids")
         is_idx = layer in idx
         iks = None
         if is_idx:

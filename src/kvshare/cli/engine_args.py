@@ -9,41 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from typing import Any
 
+from kvshare.cli.arg_types import parse_bytes, positive_int
+
 DEFAULT_MODEL = "kvshare-mini-v41"
-
-# Same conventions as `kvshare plan --memory`: bare k/m/g/t and KiB/MiB/GiB/TiB are binary,
-# kB/MB/GB/TB decimal.
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count such as `4GiB`, `512MB`, `1.5e9` or `1048576`."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1e9)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dtype of weights and activations (default: the engine's choice for the device)")
     g.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    g.add_argument("--block-size", type=_positive_int, default=None,
+    g.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV-cache block; a multiple of every compress ratio (default: engine's)")
     g.add_argument("--kv-format", default=None,
                    help="row format of the compressed KV cache: auto (packed fp4/fp8 when quantising, else "
@@ -65,13 +35,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--memory", type=parse_bytes, default=None, metavar="SIZE",
                      help="bytes to give the KV-cache pool, e.g. 2GiB; the pool sizes itself from the "
                           "cache owners only, so sharing turns into more blocks")
-    mem.add_argument("--num-blocks", type=_positive_int, default=None,
+    mem.add_argument("--num-blocks", type=positive_int, default=None,
                      help="exact number of KV-cache blocks to allocate (instead of --memory)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="most sequences batched in one step (continuous batching width)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="most tokens processed in one step; longer prompts are prefilled in chunks")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + completion accepted (default: the model's max positions)")
     g.add_argument("--no-share-kv-cache", dest="share_kv_cache", action="store_false", default=True,
                    help="give every compressed layer its own cache copy (to measure what sharing saves)")

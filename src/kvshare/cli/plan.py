@@ -9,57 +9,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any
 
 from kvshare.cache.layout import CacheLayout
+from kvshare.cli.arg_types import parse_bytes, positive_int
 from kvshare.config import load_config
 from kvshare.topology import LayerPlan, Topology
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}
-_MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_memory(text: str) -> int:
-    """'80GiB', '512MiB', '1e9', '80GB' (decimal), '4G' (binary) -> bytes (a positive int)."""
-    m = _MEM_RE.match(str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid memory size {text!r}: use a number with an optional unit, e.g. 80GiB, 512MiB, 1e9, 40GB")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not value >= 1 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid memory size {text!r}: must be at least 1 byte")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="show per-layer cache roles and the memory plan",
                               description=__doc__.splitlines()[0])
     p.add_argument("config", metavar="CONFIG", help="config.json, a directory holding it, or a shipped name")
-    p.add_argument("--block-size", type=_positive_int, default=128, help="tokens per cache block (default 128)")
+    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per cache block (default 128)")
     p.add_argument("--kv-format", default=None, help="compressed-KV row format (fp4, fp8, fp8_v4, bf16, fp32)")
     p.add_argument("--index-format", default=None, help="index-K row format (fp4, fp8, bf16, fp32)")
     p.add_argument("--window-format", default=None, help="sliding-window row format (fp8, fp8_v4, bf16, fp32)")
-    p.add_argument("--memory", type=parse_memory, default=None, help="cache memory budget, e.g. 80GiB")
-    p.add_argument("--max-seqs", type=_positive_int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--memory", type=parse_bytes, default=None, help="cache memory budget, e.g. 80GiB")
+    p.add_argument("--max-seqs", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--no-share", action="store_true", help="plan without cross-layer sharing")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)

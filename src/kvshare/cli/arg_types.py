@@ -1,0 +1,40 @@
+"""argparse value types shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+# Bare k/m/g/t and KiB/MiB/GiB/TiB are binary; kB/MB/GB/TB are decimal.
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '512MiB', '1e9', '80GB' (decimal), '4G' (binary) -> bytes (a positive int)."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid memory size {text!r}: use a number with an optional unit, e.g. 80GiB, 512MiB, 1e9, 40GB")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value >= 1 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid memory size {text!r}: must be at least 1 byte")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
