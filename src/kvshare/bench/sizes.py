@@ -47,8 +47,8 @@ class BenchSizes:
     batches: tuple[int, ...] = (1, 8)
     contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
     context_steps: int = 12
-    prefill_chunk: int = 512
-    context_budget_s: int = 420
+    prefill_chunk: int = 256
+    context_budget_s: int = 480
     sharing_context: int = 1024
     sharing_batch: int = 4
     pool_mib: int = 64
