@@ -1,6 +1,6 @@
 """Train kvshare-mini-v41 on the CPython stdlib sources, on the CPU, through the inference model.
 
-    python -m kvshare.train.train --steps 240 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
+    python -m kvshare.train.train --steps 450 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
 
 Seeded and deterministic for a given (seed, steps, threads): model init from ``--seed``, data
 sampling from its own generator seeded ``seed + 1``. AdamW with a linear warm-up then cosine decay
@@ -38,7 +38,7 @@ class TrainConfig:
 
     model: str = "kvshare-mini-v41"
     seed: int = 0
-    steps: int = 240
+    steps: int = 450
     minutes: float = 48.0
     batch: int = 4
     ctx_min: int = 256
