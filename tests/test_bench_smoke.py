@@ -42,6 +42,7 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     assert off["bytes_per_token"] == off["planner"]["bytes_per_token"]
     assert sharing["bytes_factor"] == pytest.approx(sharing["planner_factor"], rel=1e-12)
     assert sharing["bytes_factor"] > 1 and on["max_seqs"] > off["max_seqs"]
+    assert on["full_pool_tok_s"] > 0 and off["full_pool_tok_s"] > 0
 
     ctx = sections["context"]["data"]["rows"]
     assert [r["context"] for r in ctx] == sorted(r["context"] for r in ctx)

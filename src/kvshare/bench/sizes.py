@@ -51,7 +51,7 @@ class BenchSizes:
     context_budget_s: int = 480
     sharing_context: int = 1024
     sharing_batch: int = 4
-    pool_mib: int = 64
+    pool_mib: int = 32
     block_size: int = 128
     copy_mib: int = 1024
     repeats: int = 2
