@@ -188,3 +188,19 @@ def test_layout_properties(d: dict[str, Any], block: int, align: int, kv: str, i
         if p.kv_source is not None:
             assert lay.region_of(p.layer, "kv").owner == (p.kv_source if share else p.layer)
     assert lay.unshared().bytes_per_block >= lay.bytes_per_block
+
+
+def test_plain_formats_do_not_need_the_packed_defaults_to_fit() -> None:
+    """A V4 model whose nope dims are no multiple of 64 still plans with plain rows (quant off)."""
+    import json
+
+    from kvshare.config import ModelConfig
+    from kvshare.shipped import resolve_config_path
+
+    d = json.loads(resolve_config_path("tiny-v4").read_text())
+    d.update(head_dim=104, qk_rope_head_dim=8)  # nope 96: no multiple of fp8_v4's block of 64
+    topo = Topology(ModelConfig.from_dict(d))
+    lay = CacheLayout(topo, kv_format="fp32", index_format="fp32", window_format="fp32")
+    assert lay.kv_format.row_bytes == 104 * 4
+    with pytest.raises(ConfigError):
+        CacheLayout(topo)  # negative control: the packed default does not fit these dims

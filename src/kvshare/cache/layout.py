@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-from kvshare.cache.formats import RowFormat, formats_for, row_format
+from kvshare.cache.formats import DEFAULT_FORMATS, RowFormat, row_format
 from kvshare.errors import ConfigError
 from kvshare.topology import Topology
 
@@ -75,11 +75,12 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
-def _fmt(kind: str, f: str | RowFormat | None, default: RowFormat, cfg: Any) -> RowFormat:
-    if f is None:
-        return default
+def _fmt(kind: str, f: str | RowFormat | None, cfg: Any) -> RowFormat:
+    """The format named (or given) for `kind`; None picks the architecture's default."""
     if isinstance(f, RowFormat):
         return f
+    if f is None:
+        f = DEFAULT_FORMATS[cfg.arch][kind]
     dim = cfg.index_head_dim if kind == "index_k" else cfg.head_dim
     return row_format(kind, f, max(dim, 0), arch=cfg.arch, rope_dim=cfg.qk_rope_head_dim)
 
@@ -115,10 +116,9 @@ class CacheLayout:
         self.alignment = alignment
         self.state_dtype_bytes = state_dtype_bytes
         self.window_slack = window_slack
-        dkv, dik, dwin = formats_for(cfg)
-        self.kv_format = _fmt("kv", kv_format, dkv, cfg)
-        self.index_format = _fmt("index_k", index_format, dik, cfg)
-        self.window_format = _fmt("window", window_format, dwin, cfg)
+        self.kv_format = _fmt("kv", kv_format, cfg)
+        self.index_format = _fmt("index_k", index_format, cfg)
+        self.window_format = _fmt("window", window_format, cfg)
         self.regions = self._carve()
         self._by_key = {(r.owner, r.kind): r for r in self.regions}
         self.bytes_per_block = self.regions[-1].end if self.regions else 0
