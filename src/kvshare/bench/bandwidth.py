@@ -11,7 +11,8 @@ Bytes read per decode step (a model, not a hardware counter):
   upper bound on what the step must touch, and the weights dominate at short contexts.
 
 achieved = bytes / step time; it is compared with the read side of a large tensor copy (copy
-bandwidth counts each byte read and written; reads are half of it).
+bandwidth counts each byte read and written; reads are half of it), measured before and after
+the run (other processes may share the memory bus; the higher value is the reference).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def bandwidth_section(copy: dict[str, float], entries: list[dict[str, Any]]) -> 
     s.data = {"copy": copy, "entries": entries}
     s.notes.append(f"copy bandwidth: {fmt(copy['read_write_gbps'])} GB/s read+write "
                    f"({fmt(read)} GB/s read) over a {copy['bytes'] / 2**20:.0f} MiB float32 tensor")
+    if "start_read_gbps" in copy:
+        s.notes.append(f"copy read bandwidth measured before the run {fmt(copy['start_read_gbps'])} GB/s and after "
+                       f"it {fmt(copy['end_read_gbps'])} GB/s; the higher is the reference")
     s.notes.append("bytes read = all weights except unused routed experts + the whole cache of each "
                    "sequence (an upper bound for sparse attention)")
     s.plot = _plot
