@@ -97,12 +97,13 @@ def kv_prefill(engine: Any, prompts: torch.Tensor, new_tokens: int, device: str 
                tag: str = "p") -> float:
     """Add the prompts and step until every request has its first token; returns the seconds."""
     params = greedy(new_tokens)
+    ids = {f"{tag}{i}" for i in range(prompts.shape[0])}
     t0 = now(device)
     for i, p in enumerate(prompts.tolist()):
         engine.add_request(f"{tag}{i}", p, params)
     started: set[str] = set()
-    while len(started) < prompts.shape[0] and engine.has_unfinished_requests():
-        started.update(o.request_id for o in engine.step() if o.token_ids)
+    while len(started) < len(ids) and engine.has_unfinished_requests():
+        started.update(o.request_id for o in engine.step() if o.token_ids and o.request_id in ids)
     return now(device) - t0
 
 
