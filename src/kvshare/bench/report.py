@@ -90,9 +90,17 @@ def print_sections(sections: list[Section], header: dict[str, Any]) -> None:
             console.print(f"  [dim]{n}[/dim]")
 
 
-def markdown(sections: list[Section]) -> str:
-    """README-ready markdown: one table per section plus a targets table."""
+def markdown(sections: list[Section], header: dict[str, Any] | None = None,
+             plots: dict[str, str] | None = None) -> str:
+    """README-ready markdown: run facts, one table (and plot) per section, then a targets table."""
     out: list[str] = []
+    if header:
+        lb, la = header.get("load_before", {}), header.get("load_after", {})
+        out.append(f"Command `{header.get('command') or 'kvshare bench ' + str(header.get('which'))}`, "
+                   f"{header.get('date_utc')}, {header.get('elapsed_s')} s; torch {header.get('torch')}, "
+                   f"transformers {header.get('transformers')}, {header.get('device')} {header.get('dtype')}, "
+                   f"{header.get('threads')} torch thread(s) on {lb.get('cpu_count')} cores; load average "
+                   f"{lb.get('loadavg_1m')} before, {la.get('loadavg_1m')} after.\n")
     for s in sections:
         out.append(f"**{s.title}**\n")
         out.append("| " + " | ".join(s.columns) + " |")
@@ -100,6 +108,11 @@ def markdown(sections: list[Section]) -> str:
         for r in s.rows:
             out.append("| " + " | ".join(fmt(v) for v in r) + " |")
         out.append("")
+        out.extend(f"- {n}" for n in s.notes)
+        if s.notes:
+            out.append("")
+        if plots and s.name in plots:
+            out.append(f"![{s.name}]({plots[s.name]})\n")
     targets = [t for s in sections for t in s.targets]
     if targets:
         out.append("| target | measured | goal | met |")
@@ -118,9 +131,6 @@ def save(sections: list[Section], header: dict[str, Any], out_dir: Path, stem: s
     js.write_text(json.dumps({"header": header, "sections": [s.as_dict() for s in sections]},
                              indent=2, default=_json_default) + "\n")
     paths["json"] = js
-    md = out_dir / f"{stem}.md"
-    md.write_text(markdown(sections) + "\n")
-    paths["markdown"] = md
     plotted = [s for s in sections if s.plot is not None]
     if plotted:
         import matplotlib
@@ -138,6 +148,9 @@ def save(sections: list[Section], header: dict[str, Any], out_dir: Path, stem: s
             fig.savefig(png, dpi=110)
             plt.close(fig)
             paths[s.name] = png
+    md = out_dir / f"{stem}.md"
+    md.write_text(markdown(sections, header, {s.name: f"{stem}-{s.name}.png" for s in plotted}) + "\n")
+    paths["markdown"] = md
     return paths
 
 
