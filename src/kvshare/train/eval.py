@@ -38,7 +38,7 @@ def with_bos(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def dense_bits_per_byte(
-    model: Any, pieces: list[torch.Tensor], seqs_per_step: int = 16, cache_factory: CacheFactory = dense_cache_factory
+    model: Any, pieces: list[torch.Tensor], seqs_per_step: int = 4, cache_factory: CacheFactory = dense_cache_factory
 ) -> float:
     """Bits per byte of `model` on the pieces through the dense reference path (one prefill each)."""
     model.eval()
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     rows = [("model, dense reference path", dense_bits_per_byte(model, pieces))]
     timing = {"dense_s": round(time.time() - t, 1)}
+    print(f"dense: {rows[0][1]:.4f} bits/byte on {n_bytes} bytes ({timing['dense_s']} s)", flush=True)
     samples: list[dict[str, str]] = []
     if not a.no_engine:
         from kvshare.train.engine_eval import build_llm, engine_bits_per_byte
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.time()
         rows.append(("model, engine (paged, chunked prefill)", engine_bits_per_byte(llm, pieces)))
         timing["engine_s"] = round(time.time() - t, 1)
+        print(f"engine: {rows[1][1]:.4f} bits/byte ({timing['engine_s']} s)", flush=True)
         samples = generate_samples(llm, max_tokens=a.max_tokens)
     rows += [("bigram baseline", base["bigram"]), ("unigram baseline", base["unigram"])]
     print(format_table(rows, n_bytes))
