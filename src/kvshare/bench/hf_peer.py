@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
-
 import torch
 
 from kvshare.bench.gen import GenResult
@@ -82,8 +80,3 @@ def hf_warmup(model: torch.nn.Module, prompts: torch.Tensor, device: torch.devic
     """A short generate so one-time costs (allocator growth, lazy init) stay out of the timed run."""
     hf_generate(model, prompts[:, : min(prompts.shape[1], 32)], 2, device)
 
-
-def hf_info(model: torch.nn.Module) -> dict[str, Any]:
-    """Parameter count and dtype of the peer model."""
-    n = sum(p.numel() for p in model.parameters())
-    return {"params": n, "dtype": str(next(model.parameters()).dtype)}
