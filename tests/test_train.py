@@ -22,7 +22,7 @@ from kvshare.train.data import (
     sample_contexts,
     verify_manifest,
 )
-from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_cache_factory, train_losses
+from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
 
 @pytest.fixture(autouse=True)
@@ -84,12 +84,12 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert lr_at(40, 100, 1.0, 10, 0.1) > lr_at(60, 100, 1.0, 10, 0.1)
 
 
-def test_train_cache_matches_dense_cache_and_reaches_the_compressor() -> None:
+def test_loss_with_grad_matches_no_grad_and_reaches_the_compressor() -> None:
     model = _tiny_byte_model()
     ctx = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (40, 33)]
     with torch.no_grad():
         ref = lm_loss(model, ctx, dense_cache_factory)
-    loss = lm_loss(model, ctx, train_cache_factory)
+    loss = lm_loss(model, ctx, dense_cache_factory)
     assert float(loss.detach()) == pytest.approx(float(ref), abs=1e-5)
     loss.backward()
     comp = [p for n, p in model.named_parameters() if ".compressor." in n and n.endswith("wkv.weight")]
@@ -118,7 +118,7 @@ def test_a_few_training_steps_lower_the_loss() -> None:
     ctx = [data[:56], data[10:60]]
     losses = []
     for _ in range(5):
-        loss = lm_loss(model, ctx, train_cache_factory)
+        loss = lm_loss(model, ctx, dense_cache_factory)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

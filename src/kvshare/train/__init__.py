@@ -2,7 +2,6 @@
 
 * ``data.py``: the corpus (file list, manifest, held-out split, context sampling).
 * ``loop.py``: the next-byte loss through the inference ``Transformer.forward``.
-* ``train_cache.py``: ``TrainCache``, the reference cache with differentiable compressed rows.
 * ``indexer_loss.py``: lightning-indexer distillation (KL to the main attention).
 * ``train.py``: ``python -m kvshare.train.train`` (AdamW + cosine, fake-quant with straight-through).
 * ``baselines.py``: unigram / bigram byte baselines.

@@ -8,7 +8,7 @@ main attention's distribution over ALL causal compressed entries ``j < (t + 1) /
     target[t, j] = normalise( sum_{c reads l's top-k} sum_h softmax_j(q_c[t, h] . kv[j] * scale) ),
 
 computed from the queries every consumer layer ``c`` actually used (captured during the forward)
-and the owner's compressed-KV table in the `TrainCache`, detached. The indexer's distribution is
+and the owner's compressed-KV table in the `DenseCache`, detached. The indexer's distribution is
 ``softmax_j(I[t, j])`` of the raw index scores the model computed (captured, differentiable), and
 the loss is ``KL(target || indexer)`` averaged over token rows with at least one causal entry.
 

@@ -20,17 +20,14 @@ CacheFactory = Callable[[Any, StepBatch], Any]  # (model, batch) -> CacheBackend
 
 
 def dense_cache_factory(model: Any, batch: StepBatch) -> Any:
-    """A fresh reference cache (`model/dense_cache.py`) sized for the step's sequences."""
+    """A fresh reference cache (`model/dense_cache.py`) sized for the step's sequences.
+
+    With autograd on, its compressed-row writes are out of place, so a loss in the same forward
+    reaches the compressors and the index-key projections through the rows they wrote.
+    """
     from kvshare.model.dense_cache import DenseCache
 
     return DenseCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
-
-
-def train_cache_factory(model: Any, batch: StepBatch) -> Any:
-    """A fresh `TrainCache` (the reference cache with differentiable compressed rows)."""
-    from kvshare.train.train_cache import TrainCache
-
-    return TrainCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
 
 
 def prepare(model: Any, contexts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, StepBatch]:
@@ -61,7 +58,7 @@ def train_losses(model: Any, contexts: list[torch.Tensor]) -> tuple[torch.Tensor
     from kvshare.train.indexer_loss import capture, indexer_kl
 
     inputs, targets, batch = prepare(model, contexts)
-    cache = train_cache_factory(model, batch)
+    cache = dense_cache_factory(model, batch)
     with capture(model) as cap:
         logits = model(inputs, batch, cache)
     return F.cross_entropy(logits.float(), targets), indexer_kl(model, cap, cache, batch)
