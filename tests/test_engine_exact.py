@@ -10,7 +10,9 @@ every sampled row's logits must be within LOGIT_TOL of the reference's.
 
 from __future__ import annotations
 
+import os
 import random
+import zlib
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from kvshare.model.quantize import KVQuantizer
 from kvshare.runtime import StepBatch
 
 MAX_TOKENS = 4
+PROMPT_SEED = int(os.environ.get("KVSHARE_TEST_PROMPT_SEED", "0"))  # vary to explore other prompts
 # fp32 reduction order differs between batch shapes (~1e-6). With quant on, fake-quant could turn
 # such a difference into a flipped fp8 / fp4 rounding step, so quant-on cases run in float64:
 # batch-shape noise (~1e-16) then never reaches a rounding boundary, and the bound is fp32 rounding.
@@ -60,7 +63,7 @@ def case(name: str, quant: bool):
         model = Transformer(cfg, quant=quant).init_weights(1).eval()
         if quant:
             model = model.double()
-        rng = random.Random(hash(name) % 1000)
+        rng = random.Random(zlib.crc32(name.encode()) + PROMPT_SEED)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in PROMPT_LENS[cfg.arch]]
         with torch.inference_mode():
             refs = [reference(model, p, MAX_TOKENS) for p in prompts]

@@ -92,11 +92,13 @@ class KVQuantizer:
         self._hadamard: torch.Tensor | None = None
 
     def _v4_nope_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """V4 rows: FP8 nope dims; the rope dims are kept in bf16 (as the 584-B row stores them)."""
         rd = self.cfg.qk_rope_head_dim
         if self._win_block == 0:
             return x
         nope = fake_quant_fp8(x[..., :-rd], self._win_block, ue8m0=True)
-        return torch.cat([nope, x[..., -rd:]], dim=-1)
+        rope = x[..., -rd:].to(torch.bfloat16).to(x.dtype)
+        return torch.cat([nope, rope], dim=-1)
 
     def window(self, kv: torch.Tensor) -> torch.Tensor:
         """Round a post-RoPE window KV row as it is stored."""
