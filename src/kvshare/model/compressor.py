@@ -28,6 +28,7 @@ from torch import nn
 
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
+from kvshare.precision import wide
 
 if TYPE_CHECKING:
     from kvshare.model.context import StepContext
@@ -77,11 +78,11 @@ class Compressor(nn.Module):
             rows = torch.arange(x.shape[0], device=x.device)
             return Emitted(rows, ctx.seq_index, pos, latent)
 
-        xf = x.float()
-        a = F.linear(xf, self.wkv.weight.float())
-        z = F.linear(xf, self.wgate.weight.float())
+        xf = wide(x)
+        a = F.linear(xf, wide(self.wkv.weight))
+        z = F.linear(xf, wide(self.wgate.weight))
         if hasattr(self, "ape"):
-            z = z + self.ape.float()[pos % self.ratio]
+            z = z + wide(self.ape)[pos % self.ratio]
         rows = torch.nonzero((pos + 1) % self.ratio == 0).flatten()
         hist, valid = ctx.cache.history(self.name, layer, torch.cat([a, z], dim=-1), self.depth, ctx.batch, rows)
         w = self.coff * self.dim

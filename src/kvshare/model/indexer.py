@@ -29,6 +29,7 @@ from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import (block_scores, boundary_ties, candidate_block_mask, causal_mask, index_scores,
                          select_topk)
+from kvshare.precision import wide
 from kvshare.topology import LayerPlan, Topology
 
 
@@ -82,7 +83,7 @@ class Indexer(nn.Module):
         pos = ctx.positions
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
-        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_rows = torch.div(ctx.batch.ends, self.ratio, rounding_mode="floor")
         keys, _ = ctx.cache.gather_prefix("index_k", self.key_cache, n_rows, ctx.batch)
         compress_len = torch.div(pos + 1, self.ratio, rounding_mode="floor")

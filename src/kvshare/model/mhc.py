@@ -19,14 +19,15 @@ from __future__ import annotations
 import torch
 
 from kvshare.model.norm import rms_normalize
+from kvshare.precision import wide
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
            rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) in fp32 from streams h [T, hc, D]."""
     t, hc, _ = h.shape
-    m = rms_normalize(h.reshape(t, -1), rms_eps) @ fn.float().t()
-    b, s = base.float(), scale.float()
+    m = rms_normalize(h.reshape(t, -1), rms_eps) @ wide(fn).t()
+    b, s = wide(base), wide(scale)
     pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = torch.softmax((m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
@@ -39,21 +40,21 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, D] = sum_j pre[:, j] h[:, j] (fp32 accumulate, cast to h's dtype)."""
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+    return (pre.unsqueeze(-1) * wide(h)).sum(dim=1).to(h.dtype)
 
 
 def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """[T, hc, D]: h'_k = post_k y + sum_j comb[j, k] h_j."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb, h.float())
-    return (post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(h.dtype)
+    mixed = torch.einsum("tjk,tjd->tkd", comb, wide(h))
+    return (post.unsqueeze(-1) * wide(y).unsqueeze(1) + mixed).to(h.dtype)
 
 
 def hc_head_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                 rms_eps: float, hc_eps: float) -> torch.Tensor:
     """V4 final `pre` [T, hc] = sigmoid(fn . norm(flat h) * scale + base) + hc_eps."""
     t = h.shape[0]
-    m = rms_normalize(h.reshape(t, -1), rms_eps) @ fn.float().t()
-    return torch.sigmoid(m * scale.float() + base.float()) + hc_eps
+    m = rms_normalize(h.reshape(t, -1), rms_eps) @ wide(fn).t()
+    return torch.sigmoid(m * wide(scale) + wide(base)) + hc_eps
 
 
 def identity_pre(t: int, hc: int, device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ from kvshare.config import ModelConfig
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import QuantMode
 from kvshare.ops import stable_topk
+from kvshare.precision import wide
 
 
 class Expert(nn.Module):
@@ -60,7 +61,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64)."""
         cfg = self.cfg
-        logits = x.float() @ self.weight.float().t()
+        logits = wide(x) @ wide(self.weight).t()
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         if cfg.scoring_func == "softmax":
@@ -72,7 +73,7 @@ class Gate(nn.Module):
         if self.hash_routed:
             ids = self.tid2eid[input_ids].long()
         else:
-            _, ids = stable_topk(scores + self.bias.float(), cfg.num_experts_per_tok)
+            _, ids = stable_topk(scores + wide(self.bias), cfg.num_experts_per_tok)
         weights = scores.gather(1, ids)
         k = cfg.num_experts_per_tok
         if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
@@ -104,5 +105,5 @@ class MoE(nn.Module):
                 sel = order[start:start + n]
                 slots[sel] = self.experts[e](x[torch.div(sel, k, rounding_mode="floor")]).to(x.dtype)
                 start += n
-        routed = (slots.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+        routed = (wide(slots.view(t, k, -1)) * weights.unsqueeze(-1)).sum(dim=1)
+        return (routed + wide(self.shared_experts(x))).to(x.dtype)

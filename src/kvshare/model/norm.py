@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from kvshare.precision import wide
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, computed in fp32 (no weight), returned as fp32."""
-    xf = x.float()
+    xf = wide(x)
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -21,4 +22,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normalize(x, self.eps) * self.weight.float()).to(x.dtype)
+        return (rms_normalize(x, self.eps) * wide(self.weight)).to(x.dtype)

@@ -10,6 +10,7 @@ Computed in fp32, returned in q's dtype.
 from __future__ import annotations
 
 import torch
+from kvshare.precision import wide
 
 
 def sparse_attention(
@@ -20,10 +21,10 @@ def sparse_attention(
     scale: float,
 ) -> torch.Tensor:
     """[T, H, d] attention output (see module doc)."""
-    kvf = kv.float()
-    s = torch.einsum("thd,tmd->thm", q.float(), kvf) * scale
+    kvf = wide(kv)
+    s = torch.einsum("thd,tmd->thm", wide(q), kvf) * scale
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink_f = sink.float().unsqueeze(0).expand(s.shape[0], -1)  # [T, H]
+    sink_f = wide(sink).unsqueeze(0).expand(s.shape[0], -1)  # [T, H]
     m = torch.maximum(s.amax(dim=-1), sink_f) if s.shape[-1] else sink_f
     p = torch.exp(s - m.unsqueeze(-1))
     denom = p.sum(dim=-1) + torch.exp(sink_f - m)
