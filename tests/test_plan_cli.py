@@ -115,3 +115,10 @@ def test_parse_memory(text: str, value: int) -> None:
 def test_parse_memory_rejects() -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_memory("0.5")
+
+
+def test_plan_shows_the_published_v4_flash_figure_before_padding(capsys) -> None:
+    """V4-Flash: 3,514.25 B/token of rows (the paper's 3,514); a 1-row ratio-128 region pads to 608 B."""
+    assert main(["plan", "deepseek-v4-flash"]) == 0
+    out = capsys.readouterr().out
+    assert "3,514.25 B" in out and "3,518 B" in out

@@ -120,6 +120,8 @@ def _print_rich(plan: dict[str, Any]) -> None:
     s.add_row("block size / alignment", f"{lay['block_size']} tokens / {lay['alignment']} B")
     s.add_row("bytes per block", _fmt_bytes(lay["bytes_per_block"]))
     s.add_row("bytes per token" + ("" if lay["share_cache"] else " (no sharing)"), _fmt_bytes(lay["bytes_per_token"]))
+    if lay["payload_bytes_per_token"] != lay["bytes_per_token"]:
+        s.add_row("row bytes per token (before padding)", f'{lay["payload_bytes_per_token"]:,.2f} B')
     s.add_row("bytes per token without sharing", _fmt_bytes(lay["unshared_bytes_per_token"]))
     s.add_row("sharing saves", f"{lay['saving_factor']:.2f}x")
     s.add_row("per-sequence state", f"{_fmt_bytes(lay['state_bytes_per_seq'])}: window "
