@@ -26,17 +26,6 @@ from kvshare.topology import Role, Topology
 MAX_LEN = 160
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models are dispatch-bound: one torch thread is faster on shared CPUs (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def cand_config(**overrides: Any) -> ModelConfig:
     raw = json.loads(open(resolve_config_path("tiny-v41")).read())

@@ -13,11 +13,10 @@ import torch
 
 from kvshare.model import DenseCache
 from kvshare.runtime import StepBatch
-from test_model_common import (  # noqa: F401 (one_thread is a fixture)
-    MAX_LEN, assert_close, make_model, random_chunks, run_chunks, token_ids, one_thread,
+from test_model_common import (
+    MAX_LEN, assert_close, make_model, random_chunks, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIGS = ["tiny-v41", "tiny-v41-deep", "cand"]
 SEQ = 24

@@ -11,11 +11,10 @@ from kvshare.model.linear import QLinear
 from kvshare.model.quantize import fit_block
 from kvshare.quant import fake_quant_fp4, fake_quant_fp8
 from kvshare.runtime import StepBatch
-from test_model_common import (  # noqa: F401 (one_thread is a fixture)
-    MAX_LEN, make_model, run_chunks, token_ids, one_thread,
+from test_model_common import (
+    MAX_LEN, make_model, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prefill_cache(name: str, quant: bool, n: int = 20) -> tuple[DenseCache, torch.Tensor]:

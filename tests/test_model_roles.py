@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 from kvshare.model import DenseCache
 from kvshare.runtime import StepBatch, StepState
 from kvshare.topology import Role, Topology
-from test_model_common import (  # noqa: F401 (one_thread is a fixture)
-    MAX_LEN, assert_close, cand_config, make_model, run_chunks, token_ids, one_thread,
+from test_model_common import (
+    MAX_LEN, assert_close, cand_config, make_model, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ = 24
 

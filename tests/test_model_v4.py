@@ -9,11 +9,10 @@ import torch
 
 from kvshare.model import DenseCache
 from kvshare.runtime import StepBatch
-from test_model_common import (  # noqa: F401 (one_thread is a fixture)
-    MAX_LEN, assert_close, make_model, run_chunks, token_ids, one_thread,
+from test_model_common import (
+    MAX_LEN, assert_close, make_model, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ = 136  # the first ratio-128 entry becomes visible at t = 127
 

@@ -25,14 +25,6 @@ from kvshare.train.data import (
 from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests are small; one thread is faster than two on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _tiny_byte_model(seed: int = 0) -> Transformer:
     """tiny-v41 with the byte vocabulary (bytes + bos/eos/pad), randomly initialised."""

@@ -127,14 +127,6 @@ class ModelConfig:
         """Compress ratio of a backbone layer (0 = sliding window only)."""
         return self.compress_ratios[layer]
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
-    @property
-    def candidates_enabled(self) -> bool:
-        return self.arch == "v41" and self.candidate_source_layer_id >= 0
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict that `ModelConfig.from_dict` reads back to an equal config."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "yarn")}

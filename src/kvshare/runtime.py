@@ -39,8 +39,6 @@ class StepBatch:
     slots: torch.Tensor  # [N] int64
     block_tables: torch.Tensor | None = None  # [N, max_blocks] int64, 0 = null block
     logit_rows: torch.Tensor | None = None  # [R] int64
-    starts_list: list[int] = field(default_factory=list)
-    lens_list: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -79,11 +77,7 @@ class StepBatch:
         lr = None
         if logit_rows is not None:
             lr = torch.as_tensor(logit_rows, dtype=torch.int64, device=device)
-        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr, list(starts), list(lens))
-
-    def last_token_rows(self) -> torch.Tensor:
-        """Row of each sequence's last token in this step."""
-        return self.cu_seqlens[1:] - 1
+        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr)
 
 
 @dataclass

@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any
 
 from kvshare.cache.formats import DEFAULT_FORMATS, RowFormat, row_format
 from kvshare.errors import ConfigError
 from kvshare.topology import Topology
 
-RegionKind = Literal["index_k", "kv"]
 NULL_BLOCKS = 1  # block 0 is the null block of the pool: never holds a sequence's rows
 
 
