@@ -61,7 +61,7 @@ def token_ids(cfg: ModelConfig, n: int, seed: int = 5) -> torch.Tensor:
 def run_chunks(model: Transformer, ids: torch.Tensor, chunks: list[int], cache: DenseCache | None = None,
                slot: int = 0, states: list[StepState] | None = None) -> torch.Tensor:
     """Logits of every token of one sequence fed in the given chunk sizes."""
-    cache = cache or DenseCache(model.cfg, model.topo, 2, MAX_LEN)
+    cache = cache or DenseCache(model.cfg, model.topo, 2, MAX_LEN, dtype=model.embed.weight.dtype)
     out, s = [], 0
     with torch.no_grad():
         for n in chunks:

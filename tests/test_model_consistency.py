@@ -25,7 +25,7 @@ SEQ = 24
 @pytest.mark.parametrize("quant", [False, True], ids=["plain", "quant"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_prefill_decode_chunked_agree(name: str, quant: bool, capsys: pytest.CaptureFixture) -> None:
-    model = make_model(name, quant)
+    model = make_model(name, quant).double()
     model.record_ties()
     ids = token_ids(model.cfg, SEQ)
     full = run_chunks(model, ids, [SEQ])

@@ -6,9 +6,11 @@ toward the lower expert id (§13); V4 hash layers select ``tid2eid[token]`` inst
 unbiased scores of the picks, renormalised (V4: always, + 1e-20; V4.1: only when
 `norm_topk_prob` and k > 1, + 1e-20), times `routed_scaling_factor`.
 
-Experts: ``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))`` (no clamp when limit <= 0).
-Routed outputs are combined per token in a fixed order (k slots summed), so results do not depend
-on how tokens are grouped per expert.
+Experts: ``w2(weight * silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))`` (no clamp when
+limit <= 0). The routing weight multiplies the SwiGLU output *before* ``w2`` (§7.2), so ``w2``'s
+FP8 input quantisation sees the weighted activations; the shared expert has weight 1. Routed
+outputs are combined per token in a fixed order (k slots summed), so results do not depend on how
+tokens are grouped per expert.
 
 Checkpoint names: ``gate.weight``, ``gate.bias`` (non-hash), ``gate.tid2eid`` (V4 hash layers),
 ``experts.{E}.{w1,w2,w3}.weight``, ``shared_experts.{w1,w2,w3}.weight``.
@@ -37,12 +39,16 @@ class Expert(nn.Module):
         self.w2 = QLinear(inter, dim, mode, block)
         self.w3 = QLinear(dim, inter, mode, block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU of `x` [N, dim]; `weight` [N] (routing weight) scales the hidden before `w2`."""
         gate, up = self.w1(x), self.w3(x)
         if self.limit > 0:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(-self.limit, self.limit)
-        return self.w2(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if weight is not None:
+            hidden = (wide(hidden) * weight.unsqueeze(-1)).to(x.dtype)
+        return self.w2(hidden)
 
 
 class Gate(nn.Module):
@@ -95,7 +101,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.gate.cfg.num_experts_per_tok
         weights, ids = self.gate(x, input_ids)
-        flat = ids.flatten()
+        flat, flat_w = ids.flatten(), weights.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
@@ -103,7 +109,8 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 sel = order[start:start + n]
-                slots[sel] = self.experts[e](x[torch.div(sel, k, rounding_mode="floor")]).to(x.dtype)
+                rows = torch.div(sel, k, rounding_mode="floor")
+                slots[sel] = self.experts[e](x[rows], flat_w[sel]).to(x.dtype)
                 start += n
-        routed = (wide(slots.view(t, k, -1)) * weights.unsqueeze(-1)).sum(dim=1)
+        routed = wide(slots.view(t, k, -1)).sum(dim=1)
         return (routed + wide(self.shared_experts(x))).to(x.dtype)
