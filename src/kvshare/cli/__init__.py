@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("plan", "generate", "chat", "serve", "bench")
+SUBCOMMANDS = ("plan", "generate", "chat", "serve", "bench", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:

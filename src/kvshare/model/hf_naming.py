@@ -1,19 +1,36 @@
-"""Tensor naming: DeepSeek's released checkpoint names (kvshare's own) and transformers' DeepSeek-V4.
+"""Tensor naming: DeepSeek's released names (kvshare's own), transformers 5.23's DeepSeek-V4 names, shapes.
 
-* `released_shapes(cfg)`: every backbone tensor a checkpoint must hold, in the released naming,
-  with its shape (spec/model.md §1.3). Draft (`mtp.*`) tensors are not part of the backbone.
-* `transformers_to_kvshare` / `kvshare_to_transformers`: map the state dict of transformers 5.23
-  `DeepseekV4ForCausalLM` (V4 only) to the released naming and back. All 1:1 tensors keep their
-  shape (both sides store linears as [out, in]); routed experts are stacked in transformers:
-  ``mlp.experts.gate_up_proj`` [E, 2I, D] = per expert ``cat(w1, w3)`` and ``mlp.experts.down_proj``
-  [E, D, I] = per expert ``w2``. ``tid2eid`` is int64 in transformers.
+* `NAMINGS` and `_RULES`: the one table of name rules. Each row is one tensor kind written in every
+  naming kvshare reads (``{L}`` = layer, ``{E}`` = routed expert; None: the naming has no such tensor):
+
+  - ``released``: DeepSeek's checkpoints (``layers.3.attn.wkv.weight``, ``head.weight``); kvshare's own.
+  - ``transformers``: `DeepseekV4ForCausalLM`'s in-memory `state_dict` (``model.layers.3.self_attn.kv_proj
+    .weight``, ``lm_head.weight``); routed experts stacked (below).
+  - ``transformers-saved``: what `save_pretrained` writes for a model built from a config or loaded from a
+    released or saved checkpoint. transformers reverses its load-time renames (conversion_mapping.py,
+    ``deepseek_v4``), so most names come out in the released spelling under ``model.``, except where a
+    rename is anchored at the start (``model.embed_tokens``, ``model.hc_head.*``) and where the reversal of
+    ``.norm. -> .kv_norm.`` turns ``kv_norm`` into ``norm`` (``model.layers.3.attn.norm.weight``).
+  - ``transformers-resaved``: what `save_pretrained` writes for a model loaded from in-memory names (for
+    example `export_transformers(..., naming="transformers")`): transformers reverses only the renames that
+    fired at load, and ``.norm. -> .kv_norm.`` fires there on ``model.norm.weight``, so the in-memory names
+    come back with ``kv_norm`` as ``norm``.
+
+  These four are closed under transformers' load-then-save (checked by tests/test_hf_naming.py with
+  transformers' own renaming code). A transformers name without ``{E}`` for a per-expert released name
+  stacks the experts on dim 0; the row's `part` (i, n) says its released tensor is slice i of n equal
+  slices along dim 1: ``gate_up_proj`` [E, 2I, D] = per expert ``cat(w1, w3)``, ``down_proj`` [E, D, I] = w2.
+* `detect_naming(names)`: the first naming whose rules cover every name; otherwise CheckpointError naming
+  every naming tried and the names it did not know. `to_released` / `from_released` map a state dict
+  between a naming and the released one (values are not copied; stacking makes new tensors).
+* `released_shapes(cfg)`: every backbone tensor a checkpoint must hold, in the released naming, with its
+  shape (spec/model.md §1.3). Draft (`mtp.*`) tensors are not part of the backbone.
 * `transformers_config_dict(cfg)`: kwargs for transformers' `DeepseekV4Config`, quantisation off.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
@@ -23,62 +40,209 @@ from kvshare.topology import Topology
 
 Shape = tuple[int, ...]
 
-# (transformers name inside a decoder layer, released name inside a layer)
-_LAYER_PAIRS: tuple[tuple[str, str], ...] = (
-    ("input_layernorm.weight", "attn_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    ("attn_hc.fn", "hc_attn_fn"),
-    ("attn_hc.base", "hc_attn_base"),
-    ("attn_hc.scale", "hc_attn_scale"),
-    ("ffn_hc.fn", "hc_ffn_fn"),
-    ("ffn_hc.base", "hc_ffn_base"),
-    ("ffn_hc.scale", "hc_ffn_scale"),
-    ("self_attn.q_a_proj.weight", "attn.wq_a.weight"),
-    ("self_attn.q_a_norm.weight", "attn.q_norm.weight"),
-    ("self_attn.q_b_proj.weight", "attn.wq_b.weight"),
-    ("self_attn.kv_proj.weight", "attn.wkv.weight"),
-    ("self_attn.kv_norm.weight", "attn.kv_norm.weight"),
-    ("self_attn.o_a_proj.weight", "attn.wo_a.weight"),
-    ("self_attn.o_b_proj.weight", "attn.wo_b.weight"),
-    ("self_attn.sinks", "attn.attn_sink"),
-    ("self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight"),
-    ("self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight"),
-    ("self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight"),
-    ("self_attn.compressor.position_bias", "attn.compressor.ape"),
-    ("self_attn.compressor.indexer.kv_proj.weight", "attn.indexer.compressor.wkv.weight"),
-    ("self_attn.compressor.indexer.gate_proj.weight", "attn.indexer.compressor.wgate.weight"),
-    ("self_attn.compressor.indexer.kv_norm.weight", "attn.indexer.compressor.norm.weight"),
-    ("self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
-    ("self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b.weight"),
-    ("self_attn.compressor.indexer.scorer.weights_proj.weight", "attn.indexer.weights_proj.weight"),
-    ("mlp.gate.weight", "ffn.gate.weight"),
-    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
-    ("mlp.gate.tid2eid", "ffn.gate.tid2eid"),
-    ("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight"),
-    ("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"),
-    ("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"),
-)
-_TOP_PAIRS: tuple[tuple[str, str], ...] = (
-    ("model.embed_tokens.weight", "embed.weight"),
-    ("model.norm.weight", "norm.weight"),
-    ("lm_head.weight", "head.weight"),
-    ("model.hc_head.hc_fn", "hc_head_fn"),
-    ("model.hc_head.hc_base", "hc_head_base"),
-    ("model.hc_head.hc_scale", "hc_head_scale"),
-)
-_HF_TO_REL_LAYER = dict(_LAYER_PAIRS)
-_REL_TO_HF_LAYER = {r: h for h, r in _LAYER_PAIRS}
-_HF_TO_REL_TOP = dict(_TOP_PAIRS)
-_REL_TO_HF_TOP = {r: h for h, r in _TOP_PAIRS}
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_REL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
-_REL_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+NAMINGS: tuple[str, ...] = ("released", "transformers", "transformers-saved", "transformers-resaved")
+TRANSFORMERS_NAMINGS = NAMINGS[1:]
 
 
-def is_transformers_naming(names: list[str] | tuple[str, ...] | Any) -> bool:
-    """Whether a checkpoint's tensor names follow transformers (``model.layers...``, ``lm_head``)."""
-    return any(n.startswith(("model.", "lm_head.")) for n in names)
+class Rule(NamedTuple):
+    """One tensor kind: its name template in each of `NAMINGS` (same order); `part` for stacked experts."""
+
+    names: tuple[str | None, ...]
+    part: tuple[int, int] = (0, 1)
+
+
+def _r(released: str, transformers: str | None, saved: str | None, resaved: str | None,
+       part: tuple[int, int] = (0, 1)) -> Rule:
+    return Rule((released, transformers, saved, resaved), part)
+
+
+_HF, _REL = "model.layers.{L}.", "layers.{L}."
+_RULES: tuple[Rule, ...] = (
+    # released                               transformers (in memory)                       save_pretrained                                 save_pretrained after loading in-memory names
+    _r("embed.weight",                        "model.embed_tokens.weight",                  "model.embed_tokens.weight",                    "model.embed_tokens.weight"),
+    _r("norm.weight",                         "model.norm.weight",                          "model.norm.weight",                            "model.norm.weight"),
+    _r("head.weight",                         "lm_head.weight",                             "head.weight",                                  "lm_head.weight"),
+    _r("hc_head_fn",                          "model.hc_head.hc_fn",                        "model.hc_head.hc_fn",                          "model.hc_head.hc_fn"),
+    _r("hc_head_base",                        "model.hc_head.hc_base",                      "model.hc_head.hc_base",                        "model.hc_head.hc_base"),
+    _r("hc_head_scale",                       "model.hc_head.hc_scale",                     "model.hc_head.hc_scale",                       "model.hc_head.hc_scale"),
+    _r(_REL + "attn_norm.weight",               _HF + "input_layernorm.weight",                _HF + "attn_norm.weight",                        _HF + "input_layernorm.weight"),
+    _r(_REL + "ffn_norm.weight",                _HF + "post_attention_layernorm.weight",       _HF + "ffn_norm.weight",                         _HF + "post_attention_layernorm.weight"),
+    _r(_REL + "hc_attn_fn",                     _HF + "attn_hc.fn",                            _HF + "hc_attn_fn",                              _HF + "attn_hc.fn"),
+    _r(_REL + "hc_attn_base",                   _HF + "attn_hc.base",                          _HF + "hc_attn_base",                            _HF + "attn_hc.base"),
+    _r(_REL + "hc_attn_scale",                  _HF + "attn_hc.scale",                         _HF + "hc_attn_scale",                           _HF + "attn_hc.scale"),
+    _r(_REL + "hc_ffn_fn",                      _HF + "ffn_hc.fn",                             _HF + "hc_ffn_fn",                               _HF + "ffn_hc.fn"),
+    _r(_REL + "hc_ffn_base",                    _HF + "ffn_hc.base",                           _HF + "hc_ffn_base",                             _HF + "ffn_hc.base"),
+    _r(_REL + "hc_ffn_scale",                   _HF + "ffn_hc.scale",                          _HF + "hc_ffn_scale",                            _HF + "ffn_hc.scale"),
+    _r(_REL + "attn.wq_a.weight",               _HF + "self_attn.q_a_proj.weight",             _HF + "attn.wq_a.weight",                        _HF + "self_attn.q_a_proj.weight"),
+    _r(_REL + "attn.q_norm.weight",             _HF + "self_attn.q_a_norm.weight",             _HF + "attn.q_norm.weight",                      _HF + "self_attn.q_a_norm.weight"),
+    _r(_REL + "attn.wq_b.weight",               _HF + "self_attn.q_b_proj.weight",             _HF + "attn.wq_b.weight",                        _HF + "self_attn.q_b_proj.weight"),
+    _r(_REL + "attn.wkv.weight",                _HF + "self_attn.kv_proj.weight",              _HF + "attn.wkv.weight",                         _HF + "self_attn.kv_proj.weight"),
+    _r(_REL + "attn.kv_norm.weight",            _HF + "self_attn.kv_norm.weight",              _HF + "attn.norm.weight",                        _HF + "self_attn.norm.weight"),
+    _r(_REL + "attn.wo_a.weight",               _HF + "self_attn.o_a_proj.weight",             _HF + "attn.wo_a.weight",                        _HF + "self_attn.o_a_proj.weight"),
+    _r(_REL + "attn.wo_b.weight",               _HF + "self_attn.o_b_proj.weight",             _HF + "attn.wo_b.weight",                        _HF + "self_attn.o_b_proj.weight"),
+    _r(_REL + "attn.attn_sink",                 _HF + "self_attn.sinks",                       _HF + "attn.attn_sink",                          _HF + "self_attn.sinks"),
+    _r(_REL + "attn.compressor.wkv.weight",     _HF + "self_attn.compressor.kv_proj.weight",   _HF + "attn.compressor.wkv.weight",              _HF + "self_attn.compressor.kv_proj.weight"),
+    _r(_REL + "attn.compressor.wgate.weight",   _HF + "self_attn.compressor.gate_proj.weight", _HF + "attn.compressor.wgate.weight",            _HF + "self_attn.compressor.gate_proj.weight"),
+    _r(_REL + "attn.compressor.norm.weight",    _HF + "self_attn.compressor.kv_norm.weight",   _HF + "attn.compressor.norm.weight",             _HF + "self_attn.compressor.norm.weight"),
+    _r(_REL + "attn.compressor.ape",            _HF + "self_attn.compressor.position_bias",    _HF + "attn.compressor.ape",                     _HF + "self_attn.compressor.position_bias"),
+    _r(_REL + "attn.indexer.compressor.wkv.weight",   _HF + "self_attn.compressor.indexer.kv_proj.weight",
+       _HF + "attn.indexer.compressor.wkv.weight",   _HF + "self_attn.compressor.indexer.kv_proj.weight"),
+    _r(_REL + "attn.indexer.compressor.wgate.weight", _HF + "self_attn.compressor.indexer.gate_proj.weight",
+       _HF + "attn.indexer.compressor.wgate.weight", _HF + "self_attn.compressor.indexer.gate_proj.weight"),
+    _r(_REL + "attn.indexer.compressor.norm.weight",  _HF + "self_attn.compressor.indexer.kv_norm.weight",
+       _HF + "attn.indexer.compressor.norm.weight",  _HF + "self_attn.compressor.indexer.norm.weight"),
+    _r(_REL + "attn.indexer.compressor.ape",          _HF + "self_attn.compressor.indexer.position_bias",
+       _HF + "attn.indexer.compressor.ape",          _HF + "self_attn.compressor.indexer.position_bias"),
+    _r(_REL + "attn.indexer.wq_b.weight",             _HF + "self_attn.compressor.indexer.q_b_proj.weight",
+       _HF + "attn.indexer.wq_b.weight",             _HF + "self_attn.compressor.indexer.q_b_proj.weight"),
+    _r(_REL + "attn.indexer.weights_proj.weight",     _HF + "self_attn.compressor.indexer.scorer.weights_proj.weight",
+       _HF + "attn.indexer.weights_proj.weight",     _HF + "self_attn.compressor.indexer.scorer.weights_proj.weight"),
+    _r(_REL + "attn.indexer.wk.weight",         None, None, None),  # V4.1 only: transformers has no V4.1 model
+    _r(_REL + "attn.indexer.k_norm.weight",     None, None, None),  # V4.1 only
+    _r(_REL + "ffn.gate.weight",                _HF + "mlp.gate.weight",                       _HF + "ffn.gate.weight",                         _HF + "mlp.gate.weight"),
+    _r(_REL + "ffn.gate.bias",                  _HF + "mlp.gate.e_score_correction_bias",      _HF + "ffn.gate.bias",                           _HF + "mlp.gate.e_score_correction_bias"),
+    _r(_REL + "ffn.gate.tid2eid",               _HF + "mlp.gate.tid2eid",                      _HF + "ffn.gate.tid2eid",                        _HF + "mlp.gate.tid2eid"),
+    _r(_REL + "ffn.shared_experts.w1.weight",   _HF + "mlp.shared_experts.gate_proj.weight",   _HF + "ffn.shared_experts.w1.weight",            _HF + "mlp.shared_experts.gate_proj.weight"),
+    _r(_REL + "ffn.shared_experts.w3.weight",   _HF + "mlp.shared_experts.up_proj.weight",     _HF + "ffn.shared_experts.w3.weight",            _HF + "mlp.shared_experts.up_proj.weight"),
+    _r(_REL + "ffn.shared_experts.w2.weight",   _HF + "mlp.shared_experts.down_proj.weight",   _HF + "ffn.shared_experts.w2.weight",            _HF + "mlp.shared_experts.down_proj.weight"),
+    _r(_REL + "ffn.experts.{E}.w1.weight",      _HF + "mlp.experts.gate_up_proj",              _HF + "ffn.experts.{E}.w1.weight",               _HF + "mlp.experts.gate_up_proj", (0, 2)),
+    _r(_REL + "ffn.experts.{E}.w3.weight",      _HF + "mlp.experts.gate_up_proj",              _HF + "ffn.experts.{E}.w3.weight",               _HF + "mlp.experts.gate_up_proj", (1, 2)),
+    _r(_REL + "ffn.experts.{E}.w2.weight",      _HF + "mlp.experts.down_proj",                 _HF + "ffn.experts.{E}.w2.weight",               _HF + "mlp.experts.down_proj"),
+)
+
+_SLOTS = ("L", "E")
+
+
+def _template(name: str) -> str:
+    """`name` with its numeric components replaced, in order, by ``{L}`` then ``{E}`` (three or more: kept)."""
+    parts = name.split(".")
+    slot = 0
+    for i, p in enumerate(parts):
+        if p.isdigit() and slot < len(_SLOTS):
+            parts[i] = "{" + _SLOTS[slot] + "}"
+            slot += 1
+    return ".".join(parts)
+
+
+def _numbers(name: str) -> dict[str, int]:
+    return dict(zip(_SLOTS, (int(p) for p in name.split(".") if p.isdigit())))
+
+
+def _build_lookup() -> dict[str, dict[str, list[Rule]]]:
+    """naming -> template -> the rules it holds (several only for stacked experts)."""
+    out: dict[str, dict[str, list[Rule]]] = {n: {} for n in NAMINGS}
+    for rule in _RULES:
+        for naming, tpl in zip(NAMINGS, rule.names):
+            if tpl is not None:
+                out[naming].setdefault(tpl, []).append(rule)
+    return out
+
+
+_LOOKUP = _build_lookup()
+
+
+def _stacks(rule: Rule, k: int) -> bool:
+    """Whether naming index `k` stores this per-expert tensor stacked over experts."""
+    return "{E}" in rule.names[0] and "{E}" not in (rule.names[k] or "{E}")
+
+
+def detect_naming(names: Iterable[str], namings: tuple[str, ...] = NAMINGS) -> str:
+    """The first of `namings` whose rules cover every name; CheckpointError listing each naming tried."""
+    names = list(names)
+    templates = [_template(n) for n in names]
+    unknown: dict[str, list[str]] = {}
+    for naming in namings:
+        known = _LOOKUP[naming]
+        unknown[naming] = [n for n, t in zip(names, templates) if t not in known]
+        if not unknown[naming]:
+            return naming
+    best = min(namings, key=lambda n: len(unknown[n]))
+    tried = "; ".join(f"{n} ({len(unknown[n])} of {len(names)} names unknown, e.g. `{unknown[n][0]}`)"
+                      for n in namings)
+    raise CheckpointError(f"unknown tensor `{unknown[best][0]}`: the tensor names follow none of the "
+                          f"namings tried: {tried}")
+
+
+def to_released(state: dict[str, torch.Tensor], naming: str | None = None) -> dict[str, torch.Tensor]:
+    """`state` (in `naming`, detected when None) renamed to the released naming; stacked experts split."""
+    naming = naming or detect_naming(state)
+    k = NAMINGS.index(naming)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        rules = _LOOKUP[naming].get(_template(name))
+        if rules is None:
+            raise CheckpointError(f"unknown tensor `{name}`: not a {naming} name")
+        slots = _numbers(name)
+        for rule in rules:
+            released = rule.names[0]
+            if not _stacks(rule, k):
+                out[released.format(**slots)] = t
+                continue
+            i, n = rule.part
+            if t.dim() != 3 or t.shape[1] % n:
+                raise CheckpointError(f"tensor `{name}` has shape {list(t.shape)}: expected [experts, {n} x rows, "
+                                      "cols] (stacked routed experts)")
+            rows = t.shape[1] // n
+            for x in range(t.shape[0]):
+                out[released.format(**slots, E=x)] = t[x, i * rows:(i + 1) * rows]
+    return out
+
+
+def from_released(state: dict[str, torch.Tensor], naming: str, n_experts: int | None = None) -> dict[str, torch.Tensor]:
+    """A released-naming state dict renamed to `naming`; per-expert tensors stacked where it stacks them.
+
+    `n_experts` (default: highest expert id + 1) is checked: every expert of a stacked tensor must be present."""
+    k = NAMINGS.index(naming)
+    out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, tuple[Rule, dict[int, dict[int, torch.Tensor]]]] = {}
+    for name, t in state.items():
+        rules = _LOOKUP["released"].get(_template(name))
+        if rules is None:
+            raise CheckpointError(f"unknown tensor `{name}`: not a released name")
+        rule = rules[0]
+        target = rule.names[k]
+        if target is None:
+            raise CheckpointError(f"tensor `{name}` has no {naming} name (transformers 5.23 models DeepSeek-V4 only)")
+        slots = _numbers(name)
+        if _stacks(rule, k):
+            _, experts = stacked.setdefault(target.format(**slots), (rule, {}))
+            experts.setdefault(slots["E"], {})[rule.part[0]] = t
+        else:
+            out[target.format(**slots)] = t
+    for target, (rule, experts) in stacked.items():
+        n = n_experts if n_experts is not None else max(experts) + 1
+        parts = rule.part[1]
+        if max(experts) >= n:
+            raise CheckpointError(f"`{target}`: expert {max(experts)} is past the {n} routed experts")
+        for x in range(n):
+            if len(experts.get(x, {})) != parts:
+                raise CheckpointError(f"`{target}` needs all {n} experts with {parts} part(s) each; expert {x} has "
+                                      f"{len(experts.get(x, {}))}")
+        out[target] = torch.stack([torch.cat([experts[x][i] for i in range(parts)], 0) for x in range(n)])
+    return out
+
+
+def is_transformers_naming(names: Iterable[str]) -> bool:
+    """Whether the names follow one of transformers' namings (`TRANSFORMERS_NAMINGS`) entirely."""
+    try:
+        detect_naming(names, TRANSFORMERS_NAMINGS)
+    except CheckpointError:
+        return False
+    return True
+
+
+def transformers_to_kvshare(hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A state dict in any of transformers' namings mapped to the released naming (`cfg` is unused)."""
+    return to_released(hf_state_dict, detect_naming(hf_state_dict, TRANSFORMERS_NAMINGS))
+
+
+def kvshare_to_transformers(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
+                            naming: str = "transformers") -> dict[str, torch.Tensor]:
+    """A released-naming state dict mapped to `naming` (default: `DeepseekV4ForCausalLM`'s in-memory names).
+
+    Draft (`mtp.*`) tensors are dropped: transformers has no draft layers."""
+    body = {n: t for n, t in state_dict.items() if not n.startswith("mtp.")}
+    return from_released(body, naming, cfg.n_routed_experts)
 
 
 def released_shapes(cfg: ModelConfig, topo: Topology | None = None) -> dict[str, Shape]:
@@ -134,80 +298,6 @@ def released_shapes(cfg: ModelConfig, topo: Topology | None = None) -> dict[str,
 def _v4_compressor(prefix: str, d: int, width: int, ratio: int, coff: int) -> dict[str, Shape]:
     return {prefix + "wkv.weight": (coff * width, d), prefix + "wgate.weight": (coff * width, d),
             prefix + "norm.weight": (width,), prefix + "ape": (ratio, coff * width)}
-
-
-def transformers_to_kvshare(hf_state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map a transformers `DeepseekV4ForCausalLM` state dict to the released naming.
-
-    Unknown names raise CheckpointError (rotary `inv_freq` buffers are dropped)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in hf_state_dict.items():
-        if name.endswith("inv_freq"):
-            continue
-        if name in _HF_TO_REL_TOP:
-            out[_HF_TO_REL_TOP[name]] = t
-            continue
-        m = _HF_LAYER.match(name)
-        if m is None:
-            raise CheckpointError(f"unknown transformers tensor `{name}`: no released-name equivalent")
-        layer, rest = m.group(1), m.group(2)
-        if rest in _HF_TO_REL_LAYER:
-            out[f"layers.{layer}.{_HF_TO_REL_LAYER[rest]}"] = t
-            continue
-        em = _HF_EXPERTS.match(rest)
-        if em is None:
-            raise CheckpointError(f"unknown transformers tensor `{name}`: no released-name equivalent")
-        for x in range(t.shape[0]):
-            p = f"layers.{layer}.ffn.experts.{x}."
-            if em.group(1) == "down_proj":
-                out[p + "w2.weight"] = t[x]
-            else:
-                if t.shape[1] % 2:
-                    raise CheckpointError(f"`{name}` has odd gate_up width {t.shape[1]}; expected 2 * "
-                                          f"moe_intermediate_size = {2 * cfg.moe_intermediate_size}")
-                w1, w3 = t[x].chunk(2, dim=0)
-                out[p + "w1.weight"], out[p + "w3.weight"] = w1, w3
-    return out
-
-
-def kvshare_to_transformers(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map a released-naming state dict to transformers' `DeepseekV4ForCausalLM` names (V4 only).
-
-    `mtp.*` tensors are dropped (transformers has no draft layers); other unknown names raise."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, t in state_dict.items():
-        if name.startswith("mtp."):
-            continue
-        if name in _REL_TO_HF_TOP:
-            out[_REL_TO_HF_TOP[name]] = t
-            continue
-        m = _REL_LAYER.match(name)
-        if m is None or int(m.group(1)) >= cfg.num_hidden_layers:
-            raise CheckpointError(f"tensor `{name}` has no transformers equivalent")
-        layer, rest = int(m.group(1)), m.group(2)
-        if rest in _REL_TO_HF_LAYER:
-            v = t.long() if rest == "ffn.gate.tid2eid" else t
-            out[f"model.layers.{layer}.{_REL_TO_HF_LAYER[rest]}"] = v
-            continue
-        em = _REL_EXPERT.match(rest)
-        if em is None:
-            raise CheckpointError(f"tensor `{name}` has no transformers equivalent (transformers 5.23 "
-                                  "models DeepSeek-V4 only)")
-        experts.setdefault((layer, em.group(2)), {})[int(em.group(1))] = t
-    for layer in range(cfg.num_hidden_layers):
-        parts = {w: experts.get((layer, w), {}) for w in ("w1", "w2", "w3")}
-        if not any(parts.values()):
-            continue
-        for w, got in parts.items():
-            missing = [x for x in range(cfg.n_routed_experts) if x not in got]
-            if missing:
-                raise CheckpointError(f"missing tensor `layers.{layer}.ffn.experts.{missing[0]}.{w}.weight`")
-        p = f"model.layers.{layer}.mlp.experts."
-        n = cfg.n_routed_experts
-        out[p + "gate_up_proj"] = torch.stack([torch.cat([parts["w1"][x], parts["w3"][x]], 0) for x in range(n)])
-        out[p + "down_proj"] = torch.stack([parts["w2"][x] for x in range(n)])
-    return out
 
 
 _V4_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}

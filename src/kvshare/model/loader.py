@@ -2,7 +2,8 @@
 
 * `load_checkpoint(path, cfg)`: a single ``.safetensors`` file, or a directory with
   ``model.safetensors.index.json`` (sharded), ``model.safetensors``, or other ``*.safetensors`` files.
-  Names are DeepSeek's released ones or transformers' (detected, then mapped by `hf_naming`).
+  Names follow any naming in `hf_naming.NAMINGS` (DeepSeek's released names, transformers' in-memory
+  names, what its `save_pretrained` writes), detected from the names and mapped to the released ones.
   A tensor with a companion scale (``<module>.scale`` for ``<module>.weight``, ``<name>.scale`` or
   ``<module>.weight_scale_inv``) is decoded to fp32 on load: e4m3 weights as FP8 block-scaled (block
   from ``quantization_config.weight_block_size``), int8 / uint8 / ``float4_e2m1fn_x2`` weights as
@@ -11,6 +12,8 @@
   skipped with one logged warning; missing, unexpected or mis-shaped tensors raise CheckpointError.
 * `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
   read back by `ModelConfig.from_dict` to an equal config) + safetensors in the released naming.
+* `export_transformers(model_or_state_dict, cfg, out_dir, ...)`: a V4 checkpoint for transformers 5.23
+  (its config.json, the names its `save_pretrained` writes); `kvshare convert --to transformers`.
 * `load_model(name_or_path, ...)`: a directory (config + weights, or config only), a model shipped
   with weights (``kvshare/models/<name>/``, e.g. the trained kvshare-mini-v41), or a shipped
   config name; without weights the model is initialised by its ``init_weights(DEFAULT_SEED)``.
@@ -31,7 +34,15 @@ from safetensors.torch import save_file
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.model import weights_quant as wq
-from kvshare.model.hf_naming import is_transformers_naming, released_shapes, transformers_to_kvshare
+from kvshare.model.hf_naming import (
+    TRANSFORMERS_NAMINGS,
+    is_transformers_naming,
+    kvshare_to_transformers,
+    released_shapes,
+    to_released,
+    transformers_config_dict,
+    transformers_to_kvshare,
+)
 
 if TYPE_CHECKING:
     from kvshare.model.deepseek import Transformer
@@ -170,9 +181,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
     if any(skipped.values()):
         log.warning("checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
                     path, skipped["draft"], skipped["vision"])
-    state = _dequantize(kept, cfg)
-    if is_transformers_naming(state):
-        state = transformers_to_kvshare(state, cfg)
+    state = to_released(_dequantize(kept, cfg))
     if cfg.tie_word_embeddings and "head.weight" not in state and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
     check_state_dict(state, released_shapes(cfg))
@@ -218,19 +227,29 @@ def hf_style_config(cfg: ModelConfig) -> dict:
     return cfg.to_dict()
 
 
+def _released_state(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
+                    cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict of a model, or a state dict, in the released naming (transformers' names mapped)."""
+    sd = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
+        else dict(model_or_state_dict)
+    return transformers_to_kvshare(sd, cfg) if is_transformers_naming(sd) else sd
+
+
 def save_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
                     out_dir: str | Path, shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and the weights (released naming) to `out_dir`; returns `out_dir`.
 
     `shard_bytes` None writes one ``model.safetensors``; otherwise shards of at most that many bytes
     (a larger single tensor gets its own shard) plus ``model.safetensors.index.json``."""
-    sd = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
-        else dict(model_or_state_dict)
-    if is_transformers_naming(sd):
-        sd = transformers_to_kvshare(sd, cfg)
+    sd = _released_state(model_or_state_dict, cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_style_config(cfg), indent=2) + "\n")
+    return _write_weights(sd, out, shard_bytes)
+
+
+def _write_weights(sd: dict[str, torch.Tensor], out: Path, shard_bytes: int | None) -> Path:
+    """`sd` as ``model.safetensors``, or as shards of at most `shard_bytes` plus the index file."""
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
     if shard_bytes is None:
         save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
@@ -253,6 +272,30 @@ def save_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tenso
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                              indent=2) + "\n")
     return out
+
+
+def export_transformers(model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
+                        out_dir: str | Path, shard_bytes: int | None = None,
+                        naming: str = "transformers-saved") -> Path:
+    """Write a checkpoint that transformers 5.23 `DeepseekV4ForCausalLM.from_pretrained` loads; returns `out_dir`.
+
+    ``config.json`` is `transformers_config_dict(cfg)` plus ``architectures``, ``model_type`` and ``dtype``
+    (that of the floating weights); ConfigError where transformers cannot express `cfg` (V4.1, unnormalised
+    routing). Weights are written in `naming` (default: the names `save_pretrained` writes, so loading and
+    re-saving with transformers reproduces the same files), draft tensors dropped, integer tensors
+    (``tid2eid``) as int64 like transformers' buffers. Input in any naming `load_checkpoint` reads."""
+    if naming not in TRANSFORMERS_NAMINGS:
+        raise ValueError(f"naming must be one of {list(TRANSFORMERS_NAMINGS)}, got {naming!r}")
+    hf_config = transformers_config_dict(cfg)
+    sd = _released_state(model_or_state_dict, cfg)
+    sd = {k: v if v.is_floating_point() else v.long() for k, v in kvshare_to_transformers(sd, cfg, naming).items()}
+    dtype = next((v.dtype for v in sd.values() if v.is_floating_point()), torch.float32)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+              "dtype": str(dtype).removeprefix("torch."), **hf_config}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return _write_weights(sd, out, shard_bytes)
 
 
 # ---- models -----------------------------------------------------------------------------------
