@@ -146,11 +146,13 @@ def test_round_trip_through_transformers_is_exact(saved, tmp_path: Path) -> None
     _same(back.state_dict(), ks.state_dict())
 
 
-def test_convert_cli_both_ways(saved, tmp_path: Path) -> None:
+def test_convert_cli_both_ways(saved, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from kvshare.cli import main
 
     path, hf = saved
     assert main(["convert", "--to", "released", str(path), str(tmp_path / "rel")]) == 0
+    assert main(["convert", "--to", "released", str(path), str(tmp_path / "rel")]) == 2
+    assert "already holds safetensors weights" in capsys.readouterr().err
     assert main(["convert", "--to", "transformers", str(tmp_path / "rel"), str(tmp_path / "hf")]) == 0
     again = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "hf")
     _same(again.state_dict(), hf.state_dict())
