@@ -75,7 +75,8 @@ def test_save_pretrained_from_a_config_writes_the_saved_naming(hf_model) -> None
 
 
 def test_namings_agree_where_they_share_a_name() -> None:
-    """A name spelled the same in two namings means the same released tensor in both."""
+    """A name spelled the same in two namings means the same released tensor in both; released names are unique."""
+    assert all(len(rules) == 1 for rules in hf_naming._LOOKUP["released"].values())
     for tpl in set().union(*(hf_naming._LOOKUP[n] for n in NAMINGS)):
         meanings = {tuple(r.names[0] for r in hf_naming._LOOKUP[n][tpl]) for n in NAMINGS if tpl in hf_naming._LOOKUP[n]}
         assert len(meanings) == 1, (tpl, meanings)
