@@ -5,7 +5,9 @@ forward over the paged cache) -> Sampler (batched) -> per-request bookkeeping (s
 detokenisation) -> outputs of the requests that got a token or finished.
 
 Invariants: a request that fails validation raises RequestError from ``add_request`` and leaves
-the engine untouched; a finished or aborted request holds no blocks and no slot.
+the engine untouched; a finished or aborted request holds no blocks and no slot. A request that
+fails inside a step (forward, sampling or bookkeeping) finishes alone with finish_reason "error";
+the others continue with unchanged outputs (``isolation``), and the engine stays usable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
 from kvshare.engine.args import EngineArgs, build_layout, pool_blocks, resolve_device, resolve_dtype
+from kvshare.engine.isolation import run_isolated, sample_isolated
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.outputs import EngineStats, RequestOutput
 from kvshare.engine.sampling import Sampler, SamplingParams
@@ -63,6 +66,7 @@ class LLMEngine:
         self.eos_ids = frozenset(i for i in eos if i is not None)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self._suspects: set[str] = set()  # request ids whose chunks run alone (see isolation)
         self._order = itertools.count()
         self._stats = EngineStats(num_blocks_total=self.blocks.allocator.num_usable,
                                   bytes_per_block=self.layout.bytes_per_block)
@@ -139,26 +143,44 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        chunks = sched.chunks
-        logits, sampling = self.runner.run(chunks)
+        run = run_isolated(self.runner.run, sched.chunks, self._suspects)
+        for seq, err in run.failed:
+            self._fail(seq, err, outputs)
+        for seq in run.requeue:
+            self.scheduler.requeue(seq)
+        chunks, logits, sampling = run.chunks, run.logits, run.sampling
         decodes = 0
         for c in chunks:
             c.seq.num_computed += c.length
             c.seq.new_token_ids = []
             decodes += int(c.length == 1 and c.start >= len(c.seq.prompt_token_ids) and c.samples)
         self._stats.num_steps += 1
-        self._stats.prompt_tokens += sched.num_tokens - decodes
+        self._stats.prompt_tokens += sum(c.length for c in chunks) - decodes
         if sampling:
             seqs = [chunks[i].seq for i in sampling]
-            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.request_id for s in seqs])
+            picked = sample_isolated(self.sampler, logits, [s.params for s in seqs], [s.request_id for s in seqs])
             now = time.perf_counter()
-            for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            for seq, got in zip(seqs, picked):
+                if isinstance(got, BaseException):
+                    self._fail(seq, got, outputs)
+                    continue
                 if seq.metrics.first_token_time is None:
                     seq.metrics.first_token_time = now
-                self._append(seq, tok, lp)
+                try:
+                    self._append(seq, *got)
+                except Exception as e:  # noqa: BLE001 - e.g. a detokeniser failure: this request only
+                    self._fail(seq, e, outputs)
+                    continue
                 outputs.append(RequestOutput.of(seq))
-            self._stats.generation_tokens += len(seqs)
+                self._stats.generation_tokens += 1
         return outputs
+
+    def _fail(self, seq: Sequence, err: BaseException, outputs: list[RequestOutput]) -> None:
+        """Finish `seq` alone with finish_reason "error" (blocks and slot freed) and report it."""
+        seq.error = f"request {seq.request_id!r} failed in the engine: {type(err).__name__}: {err}"
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self._retire(seq)
+        outputs.append(RequestOutput.of(seq))
 
     def _append(self, seq: Sequence, tok: int, lp: float) -> None:
         """Add a sampled token, update the text, finish the request if a stop rule fires.
@@ -192,6 +214,7 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        self._suspects.discard(seq.request_id)
         self.sampler.forget(seq.request_id)
 
     def stats(self) -> EngineStats:

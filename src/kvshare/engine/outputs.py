@@ -12,8 +12,8 @@ class RequestOutput:
     """A request's state after a step (cumulative; ``new_token_ids`` are this step's tokens only).
 
     ``finish_reason`` is "stop" (eos, stop token or stop string), "length" (max_tokens or
-    max_model_len), "abort", or "error" (only from ``LLM.generate``: the request was rejected and
-    ``error`` says why); None while running. ``logprobs`` holds the chosen tokens' logprobs
+    max_model_len), "abort", or "error" (the request was rejected by ``LLM.generate``, or failed
+    alone inside a step; ``error`` says why); None while running. ``logprobs`` holds the chosen tokens' logprobs
     when the request asked for them.
     """
 
@@ -42,6 +42,7 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
             metrics=seq.metrics,
+            error=seq.error,
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshare.engine.param_ranges import check_ranges
 from kvshare.errors import RequestError
 
 
@@ -55,6 +56,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        check_ranges(self)
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 raise bad(f"stop_token_ids entry {tid!r} is not a token id in [0, {vocab_size})")

@@ -153,6 +153,14 @@ class Scheduler:
             budget -= n
         return out
 
+    def requeue(self, seq: Sequence) -> None:
+        """Drop a running sequence's cache state and queue it to recompute (after a failed step)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+            seq.reset_for_recompute()  # counted in the request's num_preemptions, not the scheduler's
+            self._enqueue(seq)
+
     def abort(self, request_id: str) -> Sequence | None:
         for seq in self.running + self.waiting:
             if seq.request_id == request_id:

@@ -4,6 +4,7 @@ State machine::
 
     WAITING --schedule--> RUNNING --finish--> FINISHED_STOPPED | FINISHED_LENGTH
        ^                     |  \\--abort--> FINISHED_ABORTED  (also from WAITING)
+       |                     |  \\--fails alone in a step--> FINISHED_ERROR (``error`` says why)
        +----preempt----------+
 
 Invariants:
@@ -30,11 +31,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Sequence:
     detok: object | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     new_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # why the request failed (status FINISHED_ERROR)
 
     @property
     def tokens(self) -> list[int]:
