@@ -88,7 +88,7 @@ def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch, capsys: py
         return real(self, messages, **kw)
 
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
-    rc = main(["chat", "--model", "tiny-v41", "--max-tokens", "1", "--temperature", "0",
+    rc = main(["chat", "--model", "tiny-v41", "--random-weights", "--max-tokens", "1", "--temperature", "0",
                "--max-model-len", "128", "--max-num-seqs", "1"])
     assert rc == 0
     out = capsys.readouterr().out

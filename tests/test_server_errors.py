@@ -87,6 +87,20 @@ CASES = [
      {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
     ("chat negative temperature", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature", None),
+    # issue 16: values that used to reach the engine and fail every request in flight, or give a 500
+    ("greedy top_k 2^63", "/v1/completions", {**OK, "temperature": 0, "top_k": 2**63}, 400, "top_k", None),
+    ("seed 2^64", "/v1/completions", {**OK, "temperature": 1, "seed": 2**64}, 400, "seed", None),
+    ("seed below int64", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": -(2**63) - 1}, 400, "seed", None),
+    ("lone surrogate prompt", "/v1/completions", {**OK, "prompt": "ab\ud800cd"}, 400, "prompt", "invalid_value"),
+    ("lone surrogate chat", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content", None),
+    ("JSON nested 1000 deep", "/v1/completions",
+     '{"model": "tiny-v41", "prompt": "x", "extra": ' + "[" * 1000 + "]" * 1000 + "}", 400, None, "invalid_json"),
+    ("JSON nested 40 deep", "/v1/completions",
+     '{"model": "tiny-v41", "prompt": "x", "extra": ' + "[" * 40 + "]" * 40 + "}", 400, None, "invalid_json"),
+    ("negative stop token id", "/v1/completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
+    ("stop token id past vocab", "/v1/completions", {**OK, "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
 ]
 
 
@@ -122,7 +136,9 @@ def test_too_many_concurrent_requests_is_429(server: BackgroundServer) -> None:
         responses = [s.__enter__() for s in streams]
         try:
             assert all(r.status_code == 200 for r in responses)
-            assert_error(post(server, "/v1/completions", OK), 429, None, "rate_limit_exceeded")
+            r429 = post(server, "/v1/completions", OK)
+            assert_error(r429, 429, None, "rate_limit_exceeded")
+            assert r429.headers["Retry-After"] == "1"
         finally:
             for s in streams:
                 s.__exit__(None, None, None)

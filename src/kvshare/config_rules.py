@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from kvshare.config_limits import check_sizes
 from kvshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def validate_config(cfg: ModelConfig) -> None:
     if cfg.arch not in ("v4", "v41"):
         raise ConfigError(f"unknown architecture {cfg.arch!r}", field="model_type",
                           fix="use deepseek_v4 or deepseek_v41")
+    check_sizes(cfg)  # absurd sizes first: later rules (and any allocation) assume sane ones
     _positive(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
               "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
               "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "hc_mult")

@@ -38,3 +38,25 @@ def positive_int(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1-65535 (0 is refused: clients need to know the port)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {v}")
+    return v

@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model directory (config.json, weights, tokenizer.json) or shipped config name; "
                         f"default {DEFAULT_MODEL} (byte-level vocabulary)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="run a config that has no weights (a shipped config name such as tiny-v41, or a "
+                        "directory with only config.json) with random weights from a fixed seed; for testing")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype of weights and activations (default: the engine's choice for the device)")
     g.add_argument("--device", default=None,
@@ -109,9 +112,36 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     kw = engine_args_from(args)
     model = kw.pop("model")
+    require_weights(model, getattr(args, "random_weights", False))
     engine = LLMEngine(model, tokenizer=load_tokenizer(model), **kw)
     apply_threads(getattr(args, "threads", None), engine.model)
     return engine
+
+
+def require_weights(model: str, random_weights: bool) -> None:
+    """KVShareError unless `model` has weights to load (or random ones were asked for).
+
+    Shipped config names (deepseek-v4-flash, tiny-v41...) describe models for `kvshare plan`;
+    running one without weights would generate noise, and the large ones need many GB first."""
+    from pathlib import Path
+
+    from kvshare.errors import KVShareError
+    from kvshare.model.checkpoint_files import refuse_pickle_only
+    from kvshare.model.loader import has_weights
+    from kvshare.shipped import shipped_model_dir
+
+    p = Path(model)
+    if random_weights or (not p.exists() and shipped_model_dir(model) is not None):
+        return
+    weights_dir = p if p.is_dir() else p.parent if p.is_file() else None
+    if weights_dir is not None:
+        refuse_pickle_only(weights_dir)
+        if has_weights(weights_dir):
+            return
+    what = f"{model!r} is a config without weights" if weights_dir is None else f"{weights_dir} has no weights"
+    raise KVShareError(f"{what}: its outputs would be noise. Give a directory with safetensors weights, "
+                       f"use `kvshare plan {model}` for its memory arithmetic, or add --random-weights to run "
+                       "it with random weights anyway")
 
 
 SMALL_MODEL_PARAMS = 100_000_000

@@ -34,6 +34,8 @@ from safetensors.torch import save_file
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.model import weights_quant as wq
+from kvshare.model.checkpoint_files import (INDEX_FILE, SINGLE_FILE, check_header_shapes, describe,
+                                           refuse_pickle_only, weight_files)
 from kvshare.model.hf_naming import (
     TRANSFORMERS_NAMINGS,
     is_transformers_naming,
@@ -51,8 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 0
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _VISION_PREFIXES = ("vision", "visual", "vit.", "mm_projector", "multi_modal_projector", "image_newline",
                     "view_seperator", "view_separator", "projector.")
 _LAYER_ID = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -63,29 +63,10 @@ _DEFAULT_BLOCK = {"v4": 128, "v41": 32}
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint (a file, or a directory; sharded via the index file)."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise CheckpointError(f"no checkpoint at {p}")
-    index = p / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
-        files = [p / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
-        return files
-    if (p / SINGLE_FILE).is_file():
-        return [p / SINGLE_FILE]
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors files in {p}")
-    return files
+    """The safetensors files of a checkpoint (a file, or a directory; sharded via the index file).
+
+    Shard paths stay inside the directory; pickle-only directories are refused (`checkpoint_files`)."""
+    return weight_files(path)
 
 
 def has_weights(path: str | Path) -> bool:
@@ -97,11 +78,16 @@ def has_weights(path: str | Path) -> bool:
 def _read_all(files: list[Path]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                if name in out:
-                    raise CheckpointError(f"tensor `{name}` appears in more than one shard ({f.name})")
-                out[name] = fh.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if name in out:
+                        raise CheckpointError(f"tensor `{name}` appears in more than one shard ({f.name})")
+                    out[name] = fh.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # SafetensorError, OSError...: name the file
+            raise describe(e, f) from e
     return out
 
 
@@ -335,8 +321,13 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     if cfg.engram_layer_ids:
         raise ConfigError(f"Engram layers {list(cfg.engram_layer_ids)} are not supported by kvshare",
                           field="engram_layer_ids", fix="use a config without Engram layers")
+    if weights_dir is not None:
+        refuse_pickle_only(weights_dir)
+    with_weights = weights_dir is not None and has_weights(weights_dir)
+    if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
+        check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg))
     model = Transformer(cfg, quant=quant)
-    if weights_dir is not None and has_weights(weights_dir):
+    if with_weights:
         load_state_into(model, load_checkpoint(weights_dir, cfg))
     else:
         model.init_weights(DEFAULT_SEED)

@@ -4,13 +4,16 @@ Routes: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or w
 GET /v1/models, GET /health, GET /metrics (Prometheus text). Every error reply is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with a 4xx status for bad input (malformed
 JSON, unknown model, invalid sampling values, too-long prompt, over the concurrency limit) and
-500 for an internal failure of one request, which leaves the server serving.
+500 for an internal failure of one request, which leaves the server serving. Limits (body
+size, JSON depth, valid Unicode) and access rules (API key, JSON-only bodies, Host, CORS) are
+middleware from `limits` and `security`; /health fails (503) while the server drains or when
+the engine loop has not advanced for `watchdog_timeout_s` with work pending.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -26,7 +29,9 @@ from kvshare.engine.sampling import SamplingParams
 from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, from_validation_error, internal_error
 from kvshare.server.generation import ServerState, generate
+from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits, parse_json
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvshare.server.security import AccessPolicy, install
 
 log = logging.getLogger("kvshare.server")
 
@@ -35,11 +40,14 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_requests: int = 64,
-               max_model_len: int | None = None, default_max_tokens: int = 256) -> FastAPI:
+               max_model_len: int | None = None, default_max_tokens: int = 256,
+               limits: RequestLimits | None = None, access: AccessPolicy | None = None,
+               watchdog_timeout_s: float = 60.0) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) under the model id `model_name`.
 
     The engine loop thread starts with the app and stops with it.
     """
+    limits = limits or RequestLimits()
     loop = EngineLoop(engine)
     state = ServerState(loop=loop, tokenizer=tokenizer, model_name=model_name,
                         max_concurrent_requests=max_concurrent_requests, max_model_len=max_model_len,
@@ -47,20 +55,28 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.event_loop = asyncio.get_running_loop()
         loop.start()
         try:
             yield
         finally:
-            loop.stop()
+            loop.stop(timeout=2.0)  # a stuck engine thread (a daemon) must not hold the exit
 
     app = FastAPI(title="kvshare", lifespan=lifespan)
     app.state.kvshare = state
+    app.state.limits = limits
     _install_error_handlers(app)
+    install(app, access or AccessPolicy(), limits, state.metrics)
 
     @app.get("/health")
     async def health() -> Response:
         if not loop.alive:
             return APIError(503, f"engine loop is not running: {loop.error!r}", code="engine_dead").response()
+        if state.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down").response()
+        if loop.stalled(watchdog_timeout_s):
+            return APIError(503, f"the engine loop has not advanced for over {watchdog_timeout_s:g} s with "
+                                 "requests pending", code="engine_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -74,10 +90,10 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @app.post("/v1/completions")
     @_guarded(state)
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, limits)
         _check_model(state, req.model)
         prompt = req.prompt
-        n_prompt = len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt, add_bos=True))
+        n_prompt = len(prompt) if isinstance(prompt, list) else await _count_tokens(state, prompt)
         if isinstance(prompt, list):
             _check_ids(state, prompt)
         params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
@@ -87,7 +103,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @app.post("/v1/chat/completions")
     @_guarded(state)
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, limits)
         _check_model(state, req.model)
         try:
             conversation = req.conversation()
@@ -144,19 +160,34 @@ def _guarded(state: ServerState) -> Callable[[Handler], Handler]:
     return wrap
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    """The JSON body validated as `model`; 400 on malformed JSON or invalid fields."""
+async def _parse(request: Request, model: type[M], limits: RequestLimits) -> M:
+    """The JSON body validated as `model`; 400 on malformed JSON or invalid fields.
+
+    Bodies over OFF_LOOP_BYTES are decoded and validated on a worker thread."""
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "the JSON body must be an object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
+
+    def decode() -> M:
+        data = parse_json(raw, limits.max_json_depth)
+        if not isinstance(data, dict):
+            raise APIError(400, "the JSON body must be an object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+
+    return await asyncio.to_thread(decode) if len(raw) > OFF_LOOP_BYTES else decode()
+
+
+async def _count_tokens(state: ServerState, prompt: str) -> int:
+    """Tokens of a text prompt; 400 before tokenising when it cannot fit the context anyway."""
+    limit = state.max_model_len
+    if limit is not None and len(prompt) > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's context of "
+                            f"{limit} tokens holds; shorten the prompt", param="prompt",
+                       code="context_length_exceeded")
+    encode = functools.partial(state.tokenizer.encode, prompt, add_bos=True)
+    ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_BYTES else encode()
+    return len(ids)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -188,4 +219,4 @@ def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_pro
                        code="context_length_exceeded")
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                           max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos,
-                          logprobs=req.wants_logprobs)
+                          logprobs=req.wants_logprobs, stop_token_ids=list(req.stop_token_ids or []))

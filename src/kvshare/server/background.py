@@ -13,6 +13,8 @@ from typing import Any
 
 import uvicorn
 
+from kvshare.server.serving import uvicorn_config
+
 
 class BackgroundServer:
     """uvicorn serving `app` on a daemon thread; a context manager that starts and stops it."""
@@ -23,7 +25,7 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        self._server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
         self._thread: threading.Thread | None = None
 
     @property

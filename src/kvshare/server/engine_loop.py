@@ -6,9 +6,15 @@ thread-safe queue, and receive each request's `RequestOutput`s through that requ
 `asyncio.Queue`. Between commands the thread calls `engine.step()` while there is work, so all
 requests in flight are batched together by the engine's scheduler.
 
-Failure isolation: `add_request` errors go back to the one handler that asked. If `step()` itself
-raises, the requests that were in flight get the exception (each handler reports a 500), are
-aborted so their blocks are freed, and the loop carries on with new requests.
+Failure isolation: `add_request` errors go back to the one handler that asked. A request that
+fails alone inside a step (the engine reports finish_reason "error") gets a `RequestFailed` on
+its queue; the others go on. If `step()` itself raises, the requests that were in flight get the
+exception (each handler reports a 500), are aborted so their blocks are freed, and the loop
+carries on with new requests.
+
+Watchdog: `progress_at` is the monotonic time the loop last finished a step or idled; `stalled(s)`
+says whether work is pending and the loop has not advanced for `s` seconds (an engine stuck in
+a step), which /health reports as a 503.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this one request inside a step (the message says why)."""
+
+
 class EngineLoop:
     """Runs `engine.step()` on a background thread and routes outputs to per-request queues.
 
@@ -54,6 +64,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._backoff = 0.0  # pause after consecutive failed steps, so a broken engine cannot spin
         self.error: BaseException | None = None  # set if the thread itself dies
+        self.progress_at = time.monotonic()  # last time the loop finished a step or idled
+        self._pending = 0  # requests in flight, as last seen by the engine thread
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -76,6 +88,11 @@ class EngineLoop:
     def alive(self) -> bool:
         """Whether the engine thread is running."""
         return self._thread is not None and self._thread.is_alive()
+
+    def stalled(self, timeout_s: float) -> bool:
+        """Whether work is pending and the loop has not advanced for more than `timeout_s` seconds."""
+        busy = self._pending > 0 or not self._cmds.empty()
+        return busy and time.monotonic() - self.progress_at > timeout_s
 
     # ---- called from the event loop ----------------------------------------------------------
 
@@ -106,11 +123,13 @@ class EngineLoop:
             self._refresh_stats()  # /metrics shows the pool before the first request
             while not self._stop.is_set():
                 self._drain_commands()
+                self._pending = len(self._streams)
                 if self.engine.has_unfinished_requests():
                     self._step()
                 else:
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+                self.progress_at = time.monotonic()
             self._close(RuntimeError("the server is shutting down"))
         except BaseException as e:  # the loop must never die silently
             log.exception("engine loop crashed")
@@ -201,7 +220,11 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                self.metrics.on_request_done(aborted=False)
+                failed = out.finish_reason == "error"
+                self.metrics.on_request_done(aborted=failed)
+                if failed:
+                    _call(stream.loop, stream.queue.put_nowait, RequestFailed(out.error or "the request failed"))
+                    continue
             if not _call(stream.loop, stream.queue.put_nowait, out) and not out.finished:
                 self._abort(out.request_id)
         self.metrics.on_step(new_tokens, time.perf_counter() - t0)

@@ -15,7 +15,9 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -26,8 +28,9 @@ class APIError(Exception):
     """An error reply: `status` plus the fields of OpenAI's error object."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -41,7 +44,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON reply with this error's status."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
         """The error as one server-sent event, for a stream whose 200 header is already sent."""

@@ -4,12 +4,18 @@ Every request holds one of `max_concurrent_requests` slots from admission until 
 ends (finished, failed, or the client went away); a request past the limit gets a 429. A client
 that disconnects — mid-stream or while waiting for a whole reply — has its engine request
 aborted, which frees its cache blocks.
+
+Shutdown: `ServerState.begin_drain(timeout_s)` refuses new requests with a 503 and lets those in
+flight finish; at the deadline each one still open gets a `ShuttingDown` on its queue, so a
+stream ends with a final error event and ``data: [DONE]`` and a whole reply gets a 503 — even
+when the engine thread is stuck, since the queues live on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -41,15 +47,38 @@ class ServerState:
     default_max_tokens: int = 256
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active: int = 0
+    draining: bool = False
+    queues: dict[str, asyncio.Queue] = field(default_factory=dict)  # open requests' output queues
+    event_loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuse new requests; after `timeout_s`, end every open request (call on the event loop)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(timeout_s, self.expire, timeout_s)
+
+    def expire(self, timeout_s: float = 0.0) -> None:
+        """End every open request with a final ShuttingDown error (and abort it in the engine)."""
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(ShuttingDown(f"the server is shutting down; the request did not finish within "
+                                          f"the {timeout_s:g} s drain limit"))
+            self.loop.abort(rid)
+
+
+class ShuttingDown(RuntimeError):
+    """The server stopped before this request finished."""
 
 
 class _Slot:
     """One admitted request: releases its concurrency slot and aborts its engine request once."""
 
     def __init__(self, state: ServerState) -> None:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if state.active >= state.max_concurrent_requests:
             raise APIError(429, f"too many concurrent requests (limit {state.max_concurrent_requests}); "
-                                "retry later", code="rate_limit_exceeded")
+                                "retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.state = state
         self.request_id: str | None = None
         self.finished = False
@@ -62,6 +91,8 @@ class _Slot:
         if self._closed:
             return
         self._closed = True
+        if self.request_id is not None:
+            self.state.queues.pop(self.request_id, None)
         if self.request_id is not None and not self.finished:
             self.state.loop.abort(self.request_id)
         self.state.active -= 1
@@ -97,11 +128,13 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
         try:
             queue = await state.loop.add(rid, prompt, params)
         except RequestError as e:
-            raise APIError(400, str(e), param="prompt" if kind == "completion" else "messages",
-                           code="invalid_request") from e
+            named = re.search(r"invalid sampling params: (\w+)", str(e))
+            param = named.group(1) if named else "prompt" if kind == "completion" else "messages"
+            raise APIError(400, str(e), param=param, code="invalid_request") from e
         except Exception as e:
             log.exception("adding request %s failed", rid)
             raise internal_error(e) from e
+        state.queues[rid] = queue
         builder = ResponseBuilder(kind, rid, state.model_name,  # type: ignore[arg-type]
                                   tokenizer=state.tokenizer if logprobs else None)
         if stream:
@@ -118,6 +151,13 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
     finally:
         if not stream:
             slot.close()
+
+
+def _failure(e: BaseException) -> APIError:
+    """The error reply for a request that failed after admission."""
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), code="shutting_down")
+    return internal_error(e)
 
 
 async def _next_output(queue: asyncio.Queue, request: Request | None = None) -> Any:
@@ -148,7 +188,7 @@ async def _collect(slot: _Slot, queue: asyncio.Queue, request: Request) -> Any:
         raise
     except Exception as e:
         slot.finished = True  # the engine loop already dropped it
-        raise internal_error(e) from e
+        raise _failure(e) from e
 
 
 async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder: ResponseBuilder,
@@ -179,5 +219,5 @@ async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder
         slot.finished = True
         state.metrics.requests_failed += 1
         log.error("request %s failed mid-stream: %s", builder.response_id, e)
-        yield internal_error(e).sse()
+        yield _failure(e).sse()
     yield DONE

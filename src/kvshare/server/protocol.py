@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvshare.engine.param_ranges import MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, TOP_K_MAX
+
 
 def new_id(prefix: str) -> str:
     """A unique response id such as `cmpl-3f2a...`."""
@@ -48,6 +50,7 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -70,8 +73,22 @@ class _SamplingRequest(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v < -1:
-            raise ValueError("top_k must be >= -1 (0 or -1 means no top-k)")
+        if v < -1 or v > TOP_K_MAX:
+            raise ValueError(f"top_k must be in [-1, {TOP_K_MAX}] (0 or -1 means no top-k)")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
         return v
 
     @field_validator("max_tokens")
