@@ -37,3 +37,7 @@ class CheckpointError(KVShareError, ValueError):
 
 class RequestError(KVShareError, ValueError):
     """One request is invalid (too long, empty, bad sampling values); other requests are unaffected."""
+
+
+class SetupError(KVShareError, ValueError):
+    """The engine cannot be set up as asked (device, pool size...); the message names the CLI flags."""

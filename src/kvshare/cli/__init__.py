@@ -1,7 +1,9 @@
 """The `kvshare` command line: one subcommand per module in this package.
 
 Each subcommand module exposes ``register(subparsers) -> None``, which adds its parser and sets
-``func`` (a callable taking the parsed args and returning an exit code) as a default.
+``func`` (a callable taking the parsed args and returning an exit code) as a default. Subcommand
+modules import torch (and the server stack) only inside ``func``, so ``kvshare --help`` is fast.
+Errors a user can cause end as one ``error: ...`` line with exit code 2; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ SUBCOMMANDS = ("plan", "generate", "chat", "serve", "bench", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvshare import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvshare",
         description="Inference engine for DeepSeek-V4 / V4.1 models with cross-layer KV sharing.",
     )
+    parser.add_argument("--version", action="version", version=f"kvshare {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVShareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
 transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
-``--out-dir`` (default ``benchmarks/results``).
+``--out-dir`` (default ``bench-results``, so a run from the repository never overwrites the
+committed ``benchmarks/results``). Without matplotlib the plots are skipped, without
+transformers the peer comparison (both come with ``pip install 'kvshare[bench]'``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="all", choices=SECTIONS, help="benchmark to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run of a few seconds)")
-    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"),
-                   help="where JSON, markdown and plots go (default: benchmarks/results)")
+    p.add_argument("--out-dir", type=Path, default=Path("bench-results"),
+                   help="where JSON, markdown and plots go (default: bench-results; the committed results "
+                        "were written with --out-dir benchmarks/results)")
     p.add_argument("--name", default=None,
                    help="file stem of the outputs (default: bench-<which>[-quick])")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -40,8 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the selected benchmarks; 0 when every section ran (missed targets are reported, not
     failures), 1 when a section failed (the others are still printed and saved)."""
+    import importlib.util
+    import sys
+
     from kvshare.bench.suite import BenchOptions, run_suite
     from kvshare.bench.sizes import sizes_from_args
+
+    if args.plots and importlib.util.find_spec("matplotlib") is None:
+        print("note: matplotlib is not installed, so no plots (pip install 'kvshare[bench]')", file=sys.stderr)
+        args.plots = False
+    if args.peer and args.which in ("peer", "all") and importlib.util.find_spec("transformers") is None:
+        print("note: transformers is not installed, so kvshare runs without its peer "
+              "(pip install 'kvshare[bench]')", file=sys.stderr)
+        args.peer = False
 
     opts = BenchOptions(
         which=args.which, sizes=sizes_from_args(args), device=args.device, dtype=args.dtype,

@@ -1,7 +1,9 @@
 """`kvshare chat`: an interactive conversation in the terminal.
 
 Each turn renders the whole conversation with the model's chat template and streams the reply.
-`/exit` (or end of input, Ctrl-D) ends the session, `/reset` forgets the conversation.
+`/exit` (or end of input, Ctrl-D) ends the session, `/reset` forgets the conversation. Ctrl-C
+while a reply streams cancels that reply (the conversation so far is kept); at the prompt it
+ends the session.
 """
 
 from __future__ import annotations
@@ -46,18 +48,31 @@ def chat_loop(engine: Any, tokenizer: Any, params: Any, read: Callable[[], str],
             out.write(piece)
             out.flush()
 
+        rid = f"chat-{turn}"
+        turn += 1
         try:
-            result = stream_request(engine, f"chat-{turn}", prompt_ids, params, write)
+            result = stream_request(engine, rid, prompt_ids, params, write)
         except RequestError as e:
             messages.pop()
             out.write(f"error: {e}\n")
             continue
-        turn += 1
+        except KeyboardInterrupt:
+            cancel(engine, rid)
+            messages.pop()  # the unanswered turn; everything before it stays
+            out.write("\n(reply cancelled; the conversation is kept)\n")
+            continue
         out.write("\n")
         messages.append({"role": "assistant", "content": result.output.text})
         if show_stats:
             print(result.report(), file=sys.stderr)
     return messages
+
+
+def cancel(engine: Any, request_id: str) -> None:
+    """Abort `request_id` and step until the engine has let go of it (its blocks are freed)."""
+    engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvshare.cli.engine_args import add_engine_args, build_engine
-from kvshare.server.responses import TextDeltas
-from kvshare.server.metrics import blocks_used_total, stat
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -85,6 +83,9 @@ class StreamResult:
 def stream_request(engine: Any, request_id: str, prompt: str | list[int], params: Any,
                    write: Callable[[str], None]) -> StreamResult:
     """Add one request, step the engine until it finishes, and `write` its text as it arrives."""
+    from kvshare.server.metrics import blocks_used_total, stat
+    from kvshare.server.responses import TextDeltas
+
     engine.add_request(request_id, prompt, params)
     deltas = TextDeltas(list(getattr(params, "stop", None) or []))
     start = time.perf_counter()

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvshare.cache.layout import CacheLayout
 from kvshare.cli.arg_types import parse_bytes, positive_int
-from kvshare.config import load_config
-from kvshare.topology import LayerPlan, Topology
+
+if TYPE_CHECKING:  # imported when a plan is built, so `kvshare --help` stays fast
+    from kvshare.cache.layout import CacheLayout
+    from kvshare.topology import LayerPlan
 
 
 
@@ -63,6 +64,10 @@ def _layer_row(p: LayerPlan, layout: CacheLayout) -> dict[str, Any]:
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan as a JSON-able dict; numbers come from the CacheLayout."""
+    from kvshare.cache.layout import CacheLayout
+    from kvshare.config import load_config
+    from kvshare.topology import Topology
+
     cfg = load_config(args.config)
     topo = Topology(cfg, share_cache=not args.no_share)
     layout = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,

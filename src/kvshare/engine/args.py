@@ -17,6 +17,7 @@ import torch
 
 from kvshare.cache.layout import CacheLayout
 from kvshare.config import ModelConfig
+from kvshare.errors import SetupError
 from kvshare.topology import Topology
 
 DEFAULT_POOL_CAP_BYTES = 1 << 30
@@ -44,7 +45,17 @@ class EngineArgs:
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise SetupError(f"--device {device}: not a torch device ({e}); use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise SetupError(f"--device {device}: no CUDA GPU is usable here (torch {torch.__version__} is {build}); "
+                         "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SetupError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -95,6 +106,7 @@ def pool_blocks(layout: CacheLayout, args: EngineArgs, model_len: int) -> int:
         cap = max(2, DEFAULT_POOL_CAP_BYTES // max(1, layout.bytes_per_block))
         n = min(want, cap)
     if n < 2:
-        raise ValueError(f"the KV-cache pool gets {n} blocks of {layout.bytes_per_block} B; it needs at least 2 "
-                         "(raise gpu_memory_bytes / num_blocks or lower max_num_seqs)")
+        raise SetupError(f"the KV-cache pool gets {n} blocks of {layout.bytes_per_block:,} B; it needs at least 2 "
+                         "(raise --memory or --num-blocks, or lower --max-num-seqs; in the Python API: "
+                         "gpu_memory_bytes, num_blocks, max_num_seqs)")
     return n

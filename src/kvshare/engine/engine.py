@@ -29,7 +29,7 @@ from kvshare.engine.outputs import EngineStats, RequestOutput
 from kvshare.engine.sampling import Sampler, SamplingParams
 from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.sequence import Sequence, SequenceStatus
-from kvshare.errors import RequestError
+from kvshare.errors import RequestError, SetupError
 
 
 class LLMEngine:
@@ -48,8 +48,9 @@ class LLMEngine:
         num_blocks = pool_blocks(self.layout, args, model_len)
         capacity = (num_blocks - 1) * self.layout.block_size
         if args.max_model_len is not None and args.max_model_len > capacity:
-            raise ValueError(f"max_model_len {args.max_model_len} exceeds what the pool holds ({num_blocks - 1} "
-                             f"blocks x {self.layout.block_size} = {capacity} tokens); raise the memory or lower it")
+            raise SetupError(f"max_model_len {args.max_model_len} exceeds what the pool holds ({num_blocks - 1} "
+                             f"blocks x {self.layout.block_size} = {capacity} tokens); raise --memory / "
+                             "--num-blocks or lower --max-model-len")
         self.max_model_len = min(model_len, capacity)
         slots = max(1, args.max_num_seqs)
         self.pool = BlockPool(self.layout, num_blocks, slots, self.device, self.dtype)
