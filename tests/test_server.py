@@ -214,7 +214,8 @@ def test_kvshare_serve_command(tmp_path: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--random-weights",
+                             "--host", "127.0.0.1",
                              "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "2",
                              "--max-concurrent-requests", "3", "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -107,7 +107,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         _check_model(state, req.model)
         try:
             conversation = req.conversation()
-            prompt_ids = list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+            render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True)
+            big = sum(len(m["content"]) for m in conversation) > OFF_LOOP_BYTES
+            prompt_ids = list(await asyncio.to_thread(render) if big else render())
         except (ValueError, TemplateError) as e:  # e.g. a template's raise_exception on role order
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
