@@ -4,8 +4,9 @@
 the default shipped model "kvshare-mini-v41" (random weights from a fixed seed when no checkpoint
 ships). ``generate(prompts, sampling_params, use_tqdm=True)`` accepts one prompt or a list of
 prompts, each text (needs a tokenizer) or token ids, and returns one RequestOutput per prompt in
-input order. A prompt the engine rejects (RequestError: empty, too long, bad params) does not stop
-the others: its output has ``finish_reason == "error"`` and the message in ``error``.
+input order. A prompt the engine rejects (RequestError: empty, too long, bad params), or a request
+that fails inside a step, does not stop the others: its output has ``finish_reason == "error"``
+and the message in ``error``; the instance stays usable.
 """
 
 from __future__ import annotations

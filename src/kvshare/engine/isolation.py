@@ -13,7 +13,9 @@ can simply be run again. `run_isolated` therefore:
 A suspect that completes a step alone is cleared and batches normally again. A poisoned request
 among N therefore costs one failed batch and one step of N single-sequence forwards, after
 which the others run batched as before. `sample_isolated` does the same for the sampler, row by
-row (sampling has no cache state, so a failed batch is simply redone per row).
+row (sampling has no cache state, so a failed batch is simply redone per row; a seeded row's
+generator may then have drawn twice in that step, so only a step that failed loses that row's
+seed-for-seed reproducibility).
 """
 
 from __future__ import annotations
