@@ -49,12 +49,9 @@ def refuse_pickle_only(directory: Path) -> None:
 
 
 def _inside(directory: Path, name: str, index: Path) -> Path:
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts:
-        raise CheckpointError(f"{index} names shard {name!r}, which is outside the model directory")
-    f = directory / rel
-    root = directory.resolve()
-    if not f.resolve().is_relative_to(root):
+    """`directory / name`, unless it resolves (absolute path, ``..``, symlink) outside `directory`."""
+    f = directory / name
+    if not f.resolve().is_relative_to(directory.resolve()):
         raise CheckpointError(f"{index} names shard {name!r}, which resolves outside the model directory")
     return f
 
