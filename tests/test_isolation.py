@@ -17,6 +17,7 @@ from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.errors import RequestError
 from kvshare.model.deepseek import Transformer
+from test_engine_api import drain
 
 POISON = 251  # a token id no clean prompt below contains
 PROMPTS = [[5 + i, 17, 99, 3, 40 + i, 41, 7][: 3 + i % 5] for i in range(8)]
@@ -42,18 +43,6 @@ class PoisonedModel(torch.nn.Module):
         if bool((input_ids == POISON).any()):
             raise RuntimeError("injected failure: poison token in the batch")
         return self.inner(input_ids, batch, backend)
-
-
-def drain(eng: LLMEngine) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for _ in range(500):
-        if not eng.has_unfinished_requests():
-            break
-        for o in eng.step():
-            if o.finished:
-                out[o.request_id] = o
-    assert not eng.has_unfinished_requests()
-    return out
 
 
 def greedy(n: int) -> SamplingParams:

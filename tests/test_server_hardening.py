@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -21,6 +22,7 @@ from kvshare.server.limits import RequestLimits
 from kvshare.server.security import AccessPolicy
 from kvshare.tokenizer import load_tokenizer
 from test_isolation import POISON, PoisonedModel, drain
+from test_server_errors import _NeverEndingEngine
 
 MODEL = "tiny-v41"
 KEY = "s3cret-key"
@@ -222,30 +224,16 @@ def test_large_valid_body_is_parsed(server: BackgroundServer) -> None:
     assert post(server, body).status_code == 200
 
 
-class _StuckEngine:
+class _StuckEngine(_NeverEndingEngine):
     """An engine whose step blocks until released (a hung kernel, say)."""
 
     def __init__(self) -> None:
-        self.live: set[str] = set()
-        import threading
-
+        super().__init__()
         self.release = threading.Event()
-
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
-        self.live.add(request_id)
-
-    def abort_request(self, request_id: str) -> None:
-        self.live.discard(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.live)
 
     def step(self) -> list[Any]:
         self.release.wait(30)
         return []
-
-    def stats(self) -> dict[str, int]:
-        return {"num_running": len(self.live)}
 
 
 def test_watchdog_fails_health_when_the_engine_is_stuck() -> None:
