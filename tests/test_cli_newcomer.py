@@ -131,3 +131,13 @@ def test_bench_runs_without_matplotlib(tmp_path: Path, monkeypatch: pytest.Monke
     assert main(["bench", "sharing", "--quick", "--out-dir", str(tmp_path), "--name", "b"]) == 0
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert (tmp_path / "b.json").is_file() and not list(tmp_path.glob("*.png"))
+
+
+def test_model_too_big_for_memory_is_refused_before_allocation(capsys: pytest.CaptureFixture) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["generate", "x", "--model", "deepseek-v4-pro", "--random-weights"]) == 2
+    assert time.perf_counter() - t0 < 10  # counted from the config, nothing built
+    err = one_line_error(capsys)
+    assert "GiB of weights" in err and "kvshare plan" in err

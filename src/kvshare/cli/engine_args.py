@@ -113,6 +113,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     kw = engine_args_from(args)
     model = kw.pop("model")
     require_weights(model, getattr(args, "random_weights", False))
+    require_memory(model, kw.get("dtype"))
     engine = LLMEngine(model, tokenizer=load_tokenizer(model), **kw)
     apply_threads(getattr(args, "threads", None), engine.model)
     return engine
@@ -142,6 +143,45 @@ def require_weights(model: str, random_weights: bool) -> None:
     raise KVShareError(f"{what}: its outputs would be noise. Give a directory with safetensors weights, "
                        f"use `kvshare plan {model}` for its memory arithmetic, or add --random-weights to run "
                        "it with random weights anyway")
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def require_memory(model: str, dtype: str | None) -> None:
+    """KVShareError when the model's weights alone cannot fit in this machine's available memory.
+
+    Counted from the config's tensor shapes (nothing is allocated), at 4 bytes per parameter
+    unless --dtype is a 2-byte type; the check only applies to CPU memory."""
+    from kvshare.config import load_config
+    from kvshare.errors import KVShareError
+    from kvshare.model.hf_naming import released_shapes
+    from kvshare.shipped import shipped_model_dir
+
+    free = available_memory()
+    if free is None:
+        return
+    cfg = load_config(str(shipped_model_dir(model) or model))
+    params = 0
+    for shape in released_shapes(cfg).values():
+        n = 1
+        for s in shape:
+            n *= s
+        params += n
+    need = params * (2 if dtype in ("bfloat16", "float16") else 4)
+    if need > free:
+        raise KVShareError(f"{model} has {params / 1e9:,.1f}B parameters: {need / 2**30:,.1f} GiB of weights, more "
+                           f"than the {free / 2**30:,.1f} GiB of memory available here; use a smaller model "
+                           "(e.g. kvshare-mini-v41) or `kvshare plan` for its arithmetic")
 
 
 SMALL_MODEL_PARAMS = 100_000_000
