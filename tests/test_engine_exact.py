@@ -143,8 +143,12 @@ def test_unshared_cache_gives_the_same_tokens(name):
     model, prompts, refs = case(name, False)
     done, _, eng = run_engine(model, prompts, block_size=8, num_blocks=40, max_num_seqs=5,
                               max_num_batched_tokens=64, share_kv_cache=False)
-    assert not eng.layout.topo.share_cache
-    assert eng.layout.bytes_per_block > eng.layout.unshared_layout.bytes_per_block / eng.layout.saving_factor - 1
+    cfg = model.cfg
+    # Independent count: fp32 rows (4 B per value); every compressed layer keeps block/ratio rows of
+    # compressed KV and of index keys (every V4.1 compressed layer attends a top-k selection).
+    row = 4 * (cfg.head_dim + cfg.index_head_dim)
+    assert not eng.layout.share_cache
+    assert eng.pool.block_bytes == 40 * sum(8 // r * row for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r)
     for i, (toks, _) in enumerate(refs):
         assert done[str(i)] == toks
 

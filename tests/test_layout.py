@@ -32,7 +32,7 @@ def test_v41_flash_fp4_block_layout(flash: Topology) -> None:
     assert lay.bytes_per_block == 113_920 and lay.bytes_per_token == 890
     assert lay.owners == (2, 8, 14, 20)
     un = lay.unshared()
-    assert un.bytes_per_token == 10_324 and un.topo.share_cache is False
+    assert un.bytes_per_token == 10_324 and un.share_cache is False
     assert lay.saving_factor == pytest.approx(11.6, abs=1e-12)
 
 
@@ -111,15 +111,17 @@ def test_bad_layout_arguments(flash: Topology, kw: dict[str, Any], field: str) -
 
 def test_region_lookup_and_sharing_by_identity(flash: Topology) -> None:
     lay = CacheLayout(flash)
-    assert lay.region_of(26, "kv") is lay.region(20, "kv")
-    assert lay.region_of(24, "index_k") is lay.region(20, "index_k")
-    assert lay.region_of(5, "kv") is lay.region(2, "kv")
+    assert lay.reads_region(26, "kv") is lay.region(20, "kv")
+    assert lay.reads_region(24, "index_k") is lay.region(20, "index_k")
+    assert lay.reads_region(5, "kv") is lay.region(2, "kv")
+    assert lay.write_regions(2, "kv") == (lay.region(2, "kv"),)
     for layer in (0, 3, 24, 39, 40):
         for kind in ("kv", "index_k"):
             with pytest.raises(KeyError):
                 lay.region(layer, kind)
     un = lay.unshared()
-    assert un.region_of(26, "kv").owner == 26 and un.region(25, "index_k").owner == 25
+    assert un.reads_region(26, "kv").owner == 26 and un.region(25, "index_k").owner == 25
+    assert [r.owner for r in un.write_regions(20, "kv")] == list(range(20, 40))
 
 
 def test_capacity_arithmetic(flash: Topology) -> None:
@@ -176,8 +178,8 @@ def test_layout_properties(d: dict[str, Any], block: int, align: int, kv: str, i
         assert r.rows == block // topo[r.owner].ratio
         end = r.end
     assert lay.bytes_per_block == end == sum(r.nbytes_padded for r in regions)
-    kv_owners = set(topo.kv_cache_owners)
-    ik_owners = set(topo.index_k_cache_owners)
+    kv_owners = set(lay.regions_map.kv_owners)
+    ik_owners = set(lay.regions_map.index_owners)
     assert {r.owner for r in regions if r.kind == "kv"} == kv_owners
     assert {r.owner for r in regions if r.kind == "index_k"} == ik_owners
     assert [r.owner for r in regions] == sorted(r.owner for r in regions)
@@ -186,7 +188,7 @@ def test_layout_properties(d: dict[str, Any], block: int, align: int, kv: str, i
             with pytest.raises(KeyError):
                 lay.region(p.layer, "kv")
         if p.kv_source is not None:
-            assert lay.region_of(p.layer, "kv").owner == (p.kv_source if share else p.layer)
+            assert lay.reads_region(p.layer, "kv").owner == (p.kv_source if share else p.layer)
     assert lay.unshared().bytes_per_block >= lay.bytes_per_block
 
 

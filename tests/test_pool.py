@@ -32,8 +32,8 @@ def test_pool_bytes_equal_the_plan(name):
         assert v.shape == (7, r.rows, r.row_bytes)
         assert v.data_ptr() == pool.blocks.data_ptr() + r.offset
         assert v.stride() == (lay.bytes_per_block, r.row_bytes, 1)
-    win = sum(s.nbytes for s in lay.states if s.name == "window")
-    assert pool.ring_bytes == 2 * win
+    # Every ring the layout plans is allocated at creation (window and compressor states alike).
+    assert pool.ring_bytes == 2 * lay.state_bytes_per_seq
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -42,13 +42,13 @@ def test_sharing_layers_get_the_owner_view_object(name):
     pool, topo = BlockPool(lay, 3, 1), lay.topo
     compressed = [p.layer for p in topo.layers if p.is_compressed]
     for layer in compressed:
-        owner = topo.kv_cache_of(layer)
+        owner = topo[layer].kv_source
         assert pool.kv_view(layer) is pool.kv_view(owner)
         assert pool.kv_view(layer).data_ptr() == pool.kv_view(owner).data_ptr()
         if topo[layer].index_k_source is not None:
-            assert pool.index_k_view(layer) is pool.index_k_view(topo.index_k_cache_of(layer))
+            assert pool.index_k_view(layer) is pool.index_k_view(topo[layer].index_k_source)
     n_views = len({id(pool.kv_view(l)) for l in compressed})
-    assert n_views == len(topo.kv_cache_owners)
+    assert n_views == len({p.kv_source for p in topo.layers if p.is_compressed})
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -83,7 +83,7 @@ def test_minus_one_never_touches_live_rows_with_negative_control():
     lay = _layout("tiny-v41", fmt="fp32")
     pool = BlockPool(lay, 4, 2)
     be = PagedBackend(pool)
-    owner = lay.topo.kv_cache_owners[0]
+    owner = lay.regions_map.kv_owners[0]
     view = pool.kv_view(owner)
     view[1:].fill_(7)  # live blocks 1..3 hold a sentinel pattern
     snapshot = view[1:].clone()
@@ -110,7 +110,7 @@ def test_paged_rows_and_history_match_dense_cache(fmt):
     pool = BlockPool(lay, 12, 3)
     paged, dense = PagedBackend(pool), DenseCache(cfg, topo, 3, 64)
     g = torch.Generator().manual_seed(0)
-    owner = topo.kv_cache_owners[-1]
+    owner = lay.regions_map.kv_owners[-1]
     r = topo[owner].ratio
     tables = torch.tensor([[3, 5, 1, 0], [2, 4, 6, 0], [7, 8, 9, 10]])
     done = [0, 0, 0]
@@ -138,21 +138,6 @@ def test_paged_rows_and_history_match_dense_cache(fmt):
                            dense.gather_rows("kv", owner, b.seq_index, idx, b))
         paged.end_step()
         done = [d + n for d, n in zip(done, lens)]
-
-
-def test_unshared_fan_out_reaches_every_reader_copy():
-    lay = _layout("tiny-v41-deep", share=False, fmt="fp32")
-    pool = BlockPool(lay, 3, 1)
-    be = PagedBackend(pool, fan_out=True)
-    shared = Topology(lay.cfg)
-    owner = shared.kv_cache_owners[0]
-    b = _batch([0], [4], [0], [[1, 2]])
-    v = torch.randn(1, lay.kv_format.dim)
-    be.write_rows("kv", owner, torch.tensor([0]), torch.tensor([1]), v, b)
-    for reader in shared.kv_cache_readers(owner):
-        assert torch.equal(be.gather_rows("kv", reader, torch.tensor([0]), torch.tensor([1]), b), v)
-    other = [l for l in lay.topo.kv_cache_owners if shared.kv_cache_of(l) != owner]
-    assert other and all(bool((pool.kv_view(l) == 0).all()) for l in other)
 
 
 def test_offsets_are_int64_past_4_gib():

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvshare.cache.regions import CacheWriteError, RegionMap
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import ConfigError
 from kvshare.topology import Role, Topology
@@ -85,20 +86,30 @@ def test_v41_flash_role_table() -> None:
         assert p.is_draft == (p.layer >= 40)
         assert p.candidate_source == (20 if cand == "consumes" else None)
     assert topo.summary_counts() == {"swa": 2, "full": 4, "reindex": 4, "reuse": 30}
-    assert topo.kv_cache_owners == (2, 8, 14, 20) == topo.index_k_cache_owners
-    assert topo.kv_cache_of(26) == 20 and topo.index_k_cache_of(24) == 20 and topo.kv_cache_of(13) == 8
-    assert topo.kv_cache_readers(2) == (2, 3, 4, 5, 6, 7)
-    assert topo.index_k_cache_readers(20) == (20, 24, 28, 32, 36)
+    rm = RegionMap(topo)
+    assert rm.kv_owners == (2, 8, 14, 20) == rm.index_owners
+    assert rm.reads("kv", 26) == 20 and rm.reads("index_k", 24) == 20 and rm.reads("kv", 13) == 8
+    assert rm.readers("kv", 2) == (2, 3, 4, 5, 6, 7)
+    assert rm.readers("index_k", 20) == (20, 24, 28, 32, 36)
+    assert rm.writes("kv", 20) == (20,) and rm.writes("index_k", 8) == (8,)
     with pytest.raises(KeyError):
-        topo.kv_cache_of(0)
+        rm.reads("kv", 0)
     with pytest.raises(KeyError):
-        topo.index_k_cache_of(25)  # a Reuse layer reads no index keys
+        rm.reads("index_k", 25)  # a Reuse layer reads no index keys
+    with pytest.raises(CacheWriteError, match="layer 26 .*written by layer 20"):
+        rm.writes("kv", 26)
 
 
-def test_unshared_topology_owns_everything_compressed() -> None:
+def test_unshared_region_map_owns_everything_compressed() -> None:
     topo = Topology(load_config("deepseek-v4.1-flash"), share_cache=False)
-    assert topo.kv_cache_owners == tuple(range(2, 40)) == topo.index_k_cache_owners
-    assert topo.kv_cache_of(26) == 26 and topo.index_k_cache_of(24) == 24
+    rm = RegionMap(topo, share_cache=False)
+    assert rm.kv_owners == tuple(range(2, 40)) == rm.index_owners
+    assert rm.reads("kv", 26) == 26 and rm.reads("index_k", 24) == 24
+    assert rm.writes("kv", 2) == (2, 3, 4, 5, 6, 7)  # the source writes every copy of its rows
+    # index copies: every layer whose index source scores layer 20's keys (20..39)
+    assert rm.writes("index_k", 20) == tuple(range(20, 40))
+    with pytest.raises(CacheWriteError):
+        rm.writes("kv", 3)  # a Reuse layer owns a copy but computes nothing to write
     assert [p.role for p in topo.layers] == [p.role for p in Topology(topo.cfg).layers]  # math unchanged
 
 
@@ -118,16 +129,16 @@ def test_v4_every_compressed_layer_is_its_own_source() -> None:
             continue
         assert (p.role, p.kv_source, p.needs_compressor_state) == (Role.FULL, p.layer, True)
         assert (p.index_source == p.layer) == (p.ratio == 4) == p.needs_indexer_state
-    assert len(topo.kv_cache_owners) == 41 and len(topo.index_k_cache_owners) == 21
-    unshared = Topology(topo.cfg, share_cache=False)
-    assert unshared.kv_cache_owners == topo.kv_cache_owners
-    assert unshared.index_k_cache_owners == topo.index_k_cache_owners
+    rm, un = RegionMap(topo), RegionMap(topo, share_cache=False)
+    assert len(rm.kv_owners) == 41 and len(rm.index_owners) == 21
+    assert (un.kv_owners, un.index_owners) == (rm.kv_owners, rm.index_owners)
 
 
 @pytest.mark.parametrize("name", ["tiny-v41-deep", "deepseek-v4-pro", "tiny-v4"])
 def test_other_shipped_topologies_resolve(name: str) -> None:
     topo = Topology(load_config(name))
-    assert topo.kv_cache_owners and set(topo.index_k_cache_owners) <= set(topo.kv_cache_owners)
+    rm = RegionMap(topo)
+    assert rm.kv_owners and set(rm.index_owners) <= set(rm.kv_owners)
 
 
 # ---- properties ------------------------------------------------------------------------------------
@@ -150,7 +161,26 @@ def test_source_rule_property(d: dict[str, Any]) -> None:
         else:
             assert p.index_k_source is None
         assert p.needs_compressor_state == (p.layer in kv and p.ratio == 2)
-    assert topo.kv_cache_owners == tuple(sorted(kv))
+    _check_region_maps(topo, kv)
+
+
+def _check_region_maps(topo: Topology, kv: list[int]) -> None:
+    """Both cache modes: each region has exactly one writer, reads name owned regions."""
+    for share in (True, False):
+        rm = RegionMap(topo, share_cache=share)
+        compressed = [p.layer for p in topo.layers if p.is_compressed]
+        assert rm.kv_owners == (tuple(sorted(kv)) if share else tuple(compressed))
+        for kind in ("kv", "index_k"):
+            written = [o for lr in rm.layers for o in (lr.writes_kv if kind == "kv" else lr.writes_index)]
+            assert sorted(written) == list(rm.owners(kind))  # every region written, by one layer only
+        for p in topo.layers:
+            lr = rm[p.layer]
+            if p.is_compressed:
+                assert lr.reads_kv == (p.kv_source if share else p.layer)
+            if p.index_k_source is not None:
+                assert lr.reads_index == (p.index_k_source if share else p.layer)
+            assert bool(lr.writes_kv) == p.is_kv_source  # only the layer that computes rows writes
+            assert bool(lr.writes_index) == p.is_index_k_source
 
 
 def _mutations(d: dict[str, Any], data: Any) -> tuple[str, dict[str, Any]]:

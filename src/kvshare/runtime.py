@@ -123,9 +123,11 @@ class CacheBackend(Protocol):
 
     Compressed rows (``write_rows`` / ``gather_rows`` / ``gather_prefix``) serve the compressed KV
     ("kv") and index keys ("index_k") of an owner layer, addressed by (sequence, compressed
-    index j). Writers are owners only; a sharing layer reads through its owner's id, which the
-    model resolves from Topology (``kv_cache_of`` / ``index_k_cache_of``). Gathers never index
-    with -1: masked entries come back as zeros.
+    index j). `layer` is always the model layer asking: ``write_rows(kind, L)`` stores the rows L
+    computed in every region the backend's `RegionMap` (cache/regions.py) assigns to L, and raises
+    `CacheWriteError` if L writes none; ``gather_*(kind, L)`` read the one region L reads (its
+    source's when sharing, its own copy when not). The model never names regions or cache modes.
+    Gathers never index with -1: masked entries come back as zeros.
     """
 
     def history(

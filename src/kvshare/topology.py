@@ -13,9 +13,9 @@ Roles (spec/model.md §2):
 
 Source rule: ``source(l) = max{s in sources : s <= l}``, only for layers with ratio > 0.
 
-Cache ownership is separate from model ownership: with ``share_cache=False`` (the switch that
-measures what sharing saves) every compressed layer stores its own copy of its kv source's rows
-and of its index-K owner's rows; the math is unchanged.
+Cache regions are not decided here: `kvshare.cache.regions.RegionMap` resolves which region each
+layer reads and writes, shared or not. ``share_cache`` only records the cache mode a CacheLayout
+built on this Topology uses by default; the model's wiring and maths never depend on it.
 """
 
 from __future__ import annotations
@@ -107,45 +107,6 @@ class Topology:
     def num_layers(self) -> int:
         """Backbone layers (draft layers are listed after them in ``layers``)."""
         return self.cfg.num_hidden_layers
-
-    # ---- cache ownership -------------------------------------------------------------------
-    @cached_property
-    def kv_cache_owners(self) -> tuple[int, ...]:
-        """Layers that have a compressed-KV region in a block, in layer order."""
-        if self.share_cache:
-            return tuple(p.layer for p in self.layers if p.is_kv_source)
-        return tuple(p.layer for p in self.layers if p.is_compressed)
-
-    @cached_property
-    def index_k_cache_owners(self) -> tuple[int, ...]:
-        """Layers that have an index-K region in a block, in layer order."""
-        if self.share_cache:
-            return tuple(p.layer for p in self.layers if p.is_index_k_source)
-        # Unshared: every layer that attends a top-k selection keeps its own index keys, as a V4
-        # layer would (spec/cache.md §4.3 "all 38 compressed layers owned their own").
-        return tuple(p.layer for p in self.layers if p.is_compressed and p.index_source is not None)
-
-    def kv_cache_of(self, layer: int) -> int:
-        """The layer whose compressed-KV region `layer` reads."""
-        p = self.layers[layer]
-        if p.kv_source is None:
-            raise KeyError(f"layer {layer} has no compressed KV (ratio 0)")
-        return p.kv_source if self.share_cache else layer
-
-    def index_k_cache_of(self, layer: int) -> int:
-        """The layer whose index-K region an index source `layer` scores against."""
-        p = self.layers[layer]
-        if p.index_k_source is None:
-            raise KeyError(f"layer {layer} reads no index keys")
-        return p.index_k_source if self.share_cache else layer
-
-    def kv_cache_readers(self, owner: int) -> tuple[int, ...]:
-        """Layers whose compressed KV is computed by kv source `owner` (itself included)."""
-        return tuple(p.layer for p in self.layers if p.kv_source == owner)
-
-    def index_k_cache_readers(self, owner: int) -> tuple[int, ...]:
-        """Layers whose index keys are computed by index-K owner `owner` (itself included)."""
-        return tuple(p.layer for p in self.layers if p.index_k_source == owner)
 
     @cached_property
     def ratios_in_use(self) -> tuple[int, ...]:

@@ -3,8 +3,9 @@
 One block covers `block_size` consecutive token positions of one sequence. For each cache owner,
 in layer order, the block holds an index-K region and then a compressed-KV region, each of
 ``block_size // ratio`` rows (the owner's ratio) and each padded up to `alignment` bytes. V4
-ratio-128 layers have no index-K region. Sharing layers own no region: they read their owner's
-(`region_of`). Example, V4.1-Flash fp4 (288-B KV, 68-B index K) at block 128: L2 [0, 4352)
+ratio-128 layers have no index-K region. Which layers own regions, and which region each layer
+reads or writes, is the layout's `RegionMap` (``layout.regions_map``, cache/regions.py), shared
+or unshared; `reads_region` / `write_regions` turn its answers into Regions. Example, V4.1-Flash fp4 (288-B KV, 68-B index K) at block 128: L2 [0, 4352)
 [4352, 22784), L8, L14 likewise, L20 [68352, 77056) [77056, 113920): 113,920 B = 890 B/token.
 
 Per-sequence state lives outside the blocks: a sliding-window ring of W (+ slack) rows for every
@@ -27,6 +28,7 @@ from functools import cached_property
 from typing import Any
 
 from kvshare.cache.formats import DEFAULT_FORMATS, RowFormat, row_format
+from kvshare.cache.regions import RegionMap
 from kvshare.errors import ConfigError
 from kvshare.topology import Topology
 
@@ -97,10 +99,14 @@ class CacheLayout:
         alignment: int = 32,
         state_dtype_bytes: int = 4,
         window_slack: int = 0,
+        share_cache: bool | None = None,
     ) -> None:
+        """`share_cache` None takes the Topology's mode."""
         cfg = topo.cfg
         self.topo = topo
         self.cfg = cfg
+        self.share_cache = topo.share_cache if share_cache is None else bool(share_cache)
+        self.regions_map = RegionMap(topo, self.share_cache)
         for name, v, lo in (("block_size", block_size, 1), ("alignment", alignment, 1),
                             ("state_dtype_bytes", state_dtype_bytes, 1), ("window_slack", window_slack, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -125,8 +131,8 @@ class CacheLayout:
 
     # ---- regions -------------------------------------------------------------------------------
     def _carve(self) -> tuple[Region, ...]:
-        kv_owners = set(self.topo.kv_cache_owners)
-        ik_owners = set(self.topo.index_k_cache_owners)
+        kv_owners = set(self.regions_map.kv_owners)
+        ik_owners = set(self.regions_map.index_owners)
         out: list[Region] = []
         off = 0
         for owner in sorted(kv_owners | ik_owners):
@@ -151,10 +157,13 @@ class CacheLayout:
         except KeyError:
             raise KeyError(f"layer {owner} owns no {kind!r} region in this layout") from None
 
-    def region_of(self, layer: int, kind: str) -> Region:
-        """The region layer `layer` reads (its owner's, resolved through the Topology)."""
-        owner = self.topo.kv_cache_of(layer) if kind == "kv" else self.topo.index_k_cache_of(layer)
-        return self.region(owner, kind)
+    def reads_region(self, layer: int, kind: str) -> Region:
+        """The region layer `layer` reads (KeyError if it reads none)."""
+        return self.region(self.regions_map.reads(kind, layer), kind)
+
+    def write_regions(self, layer: int, kind: str) -> tuple[Region, ...]:
+        """The regions the rows computed by `layer` go to (CacheWriteError if it writes none)."""
+        return tuple(self.region(o, kind) for o in self.regions_map.writes(kind, layer))
 
     def block_offset(self, block_id: int) -> int:
         """Byte offset of a block in the pool; a Python int (views must use int64)."""
@@ -224,11 +233,10 @@ class CacheLayout:
     @cached_property
     def unshared_layout(self) -> "CacheLayout":
         """Same formats and block size, but every compressed layer stores its own rows."""
-        if not self.topo.share_cache:
+        if not self.share_cache:
             return self
-        return CacheLayout(Topology(self.cfg, share_cache=False), self.block_size, self.kv_format,
-                           self.index_format, self.window_format, self.alignment, self.state_dtype_bytes,
-                           self.window_slack)
+        return CacheLayout(self.topo, self.block_size, self.kv_format, self.index_format, self.window_format,
+                           self.alignment, self.state_dtype_bytes, self.window_slack, share_cache=False)
 
     def unshared(self) -> "CacheLayout":
         return self.unshared_layout
@@ -244,7 +252,7 @@ class CacheLayout:
         """Readable prefix + digest of the full region table; equal ids mean byte-compatible blocks."""
         table = ";".join(f"{r.owner}.{r.kind}.{r.offset}.{r.rows}.{r.row_bytes}" for r in self.regions)
         digest = hashlib.sha1(table.encode()).hexdigest()[:12]
-        share = "shared" if self.topo.share_cache else "unshared"
+        share = "shared" if self.share_cache else "unshared"
         return (f"kvshare-v1-{self.cfg.arch}-bs{self.block_size}-a{self.alignment}-kv.{self.kv_format.label}"
                 f"-ik.{self.index_format.label}-{share}-{digest}")
 
@@ -254,7 +262,7 @@ class CacheLayout:
                for k, f in (("kv", self.kv_format), ("index_k", self.index_format), ("window", self.window_format))}
         d: dict[str, Any] = {
             "layout_id": self.layout_id,
-            "share_cache": self.topo.share_cache,
+            "share_cache": self.share_cache,
             "block_size": self.block_size,
             "alignment": self.alignment,
             "formats": fmt,

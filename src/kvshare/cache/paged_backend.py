@@ -11,6 +11,9 @@ or per sequence.
 * compressed rows: row j of sequence i with ratio r is at block ``block_tables[i, (j*r)//B]``,
   row ``((j*r) % B)//r`` (``blocks.compressed_row_address``). Invalid entries (j < 0, or past the
   table) are redirected to the null block 0 and masked to zeros on read; -1 never indexes.
+* regions: ``write_rows(kind, L)`` stores the rows layer L computed into every view
+  ``pool.write_views(kind, L)`` names; ``gather_*(kind, L)`` read ``pool.read_view(kind, L)``.
+  The pool resolved both from the layout's RegionMap, so this backend has no notion of sharing.
 """
 
 from __future__ import annotations
@@ -32,11 +35,8 @@ def _unpack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedBackend:
-    def __init__(self, pool: BlockPool, fan_out: bool = False) -> None:
-        """`fan_out`: the model writes once per owner (shared topology) while the pool is unshared, so
-        every write is copied to each reader's region."""
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self.fan_out = fan_out
         self.block_size = pool.block_size
         self._pending: list[tuple[torch.Tensor, RowFormat | None, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self._pending_keys: set[tuple[str, int]] = set()
@@ -96,18 +96,18 @@ class PagedBackend:
     def write_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
                    batch: StepBatch) -> None:
         self._begin(batch)
-        targets = self.pool.write_targets(kind, layer) if self.fan_out else (self.pool.view(kind, layer),)
+        targets = self.pool.write_views(kind, layer)
         if index.numel() == 0:
             return
         block, row, _ = self._address(layer, seq, index, batch)  # invalid -> null block 0
         packed = self.pool.formats[kind].pack(values)
-        for view in targets:  # one view when sharing; every reader's copy when not
+        for view in targets:  # one view when sharing; every copy when not
             view[block, row] = packed
 
     def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:
         self._begin(batch)
-        view = self.pool.view(kind, layer)
+        view = self.pool.read_view(kind, layer)
         block, row, valid = self._address(layer, seq, index, batch)
         rows = self.pool.formats[kind].unpack(view[block, row]).to(self.pool.dtype)
         return rows.masked_fill(~valid[..., None], 0)

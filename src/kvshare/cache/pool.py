@@ -6,15 +6,15 @@ region (owner, kind) gets a strided view ``[num_blocks, rows, row_bytes]`` built
 ints, i.e. int64: no 32-bit overflow at large block ids). Rows hold the layout's real row format
 (``RowFormat.pack`` / ``unpack``).
 
-Sharing is identity: ``kv_view(l)`` returns the view object of ``topo.kv_cache_of(l)``, so
-``pool.kv_view(l) is pool.kv_view(owner)``. With an unshared topology every compressed layer has
-its own region; ``write_targets(kind, writer)`` then lists every copy that an owner's write must
-reach (the owner's readers), so the math is unchanged while memory and write traffic reflect no
-sharing.
+Regions are resolved once, at construction, from the layout's RegionMap: ``read_view(kind, L)``
+is the view layer L reads (when sharing, the owner's view object itself, so ``pool.kv_view(l) is
+pool.kv_view(owner)``; unshared, L's own copy) and ``write_views(kind, L)`` the views the rows
+computed by L go to (raises CacheWriteError for a layer that writes none). Both are dict lookups.
 
-Per request slot (outside the blocks): a sliding-window ring per layer (window row format, W rows)
-and fp32 rings for the compressor / indexer-compressor states. A ring is keyed by (name, layer)
-and created with the depth and width of its first use (window rings are created up front).
+Per request slot (outside the blocks), allocated at construction from ``layout.states``: a
+sliding-window ring per layer (window row format, W rows) and an fp32 ring per compressor /
+indexer-compressor state ([slots, rows, tensors * width]: the kv and score halves side by side).
+``ring_bytes`` therefore equals ``num_slots * layout.state_bytes_per_seq`` from the start.
 
 Invariants: block 0 is the null block (addressed only by padding and masked entries); regions are
 disjoint (checked by the layout, tested by fill-and-check); -1 never indexes a tensor.
@@ -26,7 +26,6 @@ import torch
 
 from kvshare.cache.formats import RowFormat
 from kvshare.cache.layout import CacheLayout
-from kvshare.topology import Topology
 
 
 class BlockPool:
@@ -50,73 +49,68 @@ class BlockPool:
                 self.blocks, (num_blocks, r.rows, r.row_bytes), (self.blocks.stride(0), r.row_bytes, 1),
                 base + int(r.offset))
         self.formats: dict[str, RowFormat] = {"kv": layout.kv_format, "index_k": layout.index_format}
-        self._targets = self._write_targets()
+        rmap = layout.regions_map
+        self._reads: dict[tuple[str, int], torch.Tensor] = {}
+        self._writes: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
+        for lr in rmap.layers:
+            for kind, read, writes in (("kv", lr.reads_kv, lr.writes_kv), ("index_k", lr.reads_index, lr.writes_index)):
+                if read is not None:
+                    self._reads[(kind, lr.layer)] = self._region_views[(kind, read)]
+                if writes:
+                    self._writes[(kind, lr.layer)] = tuple(self._region_views[(kind, o)] for o in writes)
         self.rings: dict[tuple[str, int], torch.Tensor] = {}
         self.ring_formats: dict[tuple[str, int], RowFormat | None] = {}
+        state_dtype = {4: torch.float32, 8: torch.float64}[layout.state_dtype_bytes]
         w = layout.window_format
         for s in layout.states:
+            key = (s.name, s.layer)
             if s.name == "window":
-                self.rings[("window", s.layer)] = torch.zeros(
-                    num_slots, s.rows, w.row_bytes, dtype=torch.uint8, device=self.device)
-                self.ring_formats[("window", s.layer)] = w
+                self.rings[key] = torch.zeros(num_slots, s.rows, w.row_bytes, dtype=torch.uint8, device=self.device)
+                self.ring_formats[key] = w
+            else:
+                self.rings[key] = torch.zeros(num_slots, s.rows, s.tensors * s.width, dtype=state_dtype,
+                                              device=self.device)
+                self.ring_formats[key] = None
 
     # ---- views ---------------------------------------------------------------------------------
-    def view(self, kind: str, layer: int) -> torch.Tensor:
-        """The [num_blocks, rows, row_bytes] view layer `layer` reads (its cache owner's object)."""
-        key = (kind, layer)
-        if key not in self._region_views:
-            owner = self.topo.kv_cache_of(layer) if kind == "kv" else self.topo.index_k_cache_of(layer)
-            key = (kind, owner)
-        return self._region_views[key]
+    def read_view(self, kind: str, layer: int) -> torch.Tensor:
+        """The [num_blocks, rows, row_bytes] view layer `layer` reads."""
+        try:
+            return self._reads[(kind, layer)]
+        except KeyError:
+            self.layout.regions_map.reads(kind, layer)  # raises the descriptive KeyError
+            raise
+
+    def write_views(self, kind: str, layer: int) -> tuple[torch.Tensor, ...]:
+        """The views the `kind` rows computed by `layer` go to (one when sharing, every copy if not)."""
+        try:
+            return self._writes[(kind, layer)]
+        except KeyError:
+            self.layout.regions_map.writes(kind, layer)  # raises CacheWriteError
+            raise
 
     def kv_view(self, layer: int) -> torch.Tensor:
-        return self.view("kv", layer)
+        return self.read_view("kv", layer)
 
     def index_k_view(self, layer: int) -> torch.Tensor:
-        return self.view("index_k", layer)
+        return self.read_view("index_k", layer)
 
     def owner_views(self) -> dict[tuple[str, int], torch.Tensor]:
         """Every region's view keyed by (kind, owner)."""
         return dict(self._region_views)
-
-    def _write_targets(self) -> dict[tuple[str, int], tuple[torch.Tensor, ...]]:
-        """(kind, writer) -> the views a writer's rows go to (writer = an owner in the shared sense)."""
-        if self.topo.share_cache:
-            return {k: (v,) for k, v in self._region_views.items()}
-        shared = Topology(self.topo.cfg, share_cache=True)
-        out: dict[tuple[str, int], list[torch.Tensor]] = {}
-        for (kind, t), v in self._region_views.items():
-            p = shared[t]
-            if kind == "kv":
-                writer = shared.kv_cache_of(t)
-            elif p.index_k_source is not None:
-                writer = shared.index_k_cache_of(t)
-            else:  # a layer that keeps index keys only in the unshared layout: its kv source's keys
-                writer = shared.kv_cache_of(t)
-            out.setdefault((kind, writer), []).append(v)
-        return {k: tuple(v) for k, v in out.items()}
-
-    def write_targets(self, kind: str, writer: int) -> tuple[torch.Tensor, ...]:
-        """Views an owner's write of `kind` must reach (one when sharing, every reader's copy if not)."""
-        key = (kind, writer)
-        if key not in self._targets:
-            if key in self._region_views:
-                return (self._region_views[key],)
-            raise KeyError(f"layer {writer} owns no {kind!r} cache; only owners write")
-        return self._targets[key]
 
     def ratio(self, layer: int) -> int:
         return self.topo[layer].ratio
 
     # ---- per-slot rings --------------------------------------------------------------------------
     def ring(self, name: str, layer: int, depth: int, width: int) -> tuple[torch.Tensor, RowFormat | None]:
-        """The ring (name, layer): window rings are packed rows, state rings fp32 [slots, depth, width]."""
+        """The ring (name, layer) planned by the layout: window rings hold packed rows, state rings fp32."""
         key = (name, layer)
         r = self.rings.get(key)
-        fmt = self.ring_formats.get(key)
         if r is None:
-            r = torch.zeros(self.num_slots, depth, width, dtype=torch.float32, device=self.device)
-            self.rings[key], self.ring_formats[key], fmt = r, None, None
+            raise KeyError(f"layer {layer} has no {name!r} ring in this cache layout (the layout plans "
+                           f"{sorted(k for k in self.rings if k[1] == layer)})")
+        fmt = self.ring_formats[key]
         cols = fmt.dim if fmt is not None else r.shape[2]
         if r.shape[1] != depth or cols != width:
             raise ValueError(f"ring {name!r} of layer {layer} holds [{r.shape[1]}, {cols}] rows, "

@@ -48,9 +48,8 @@ def _state_text(layout: CacheLayout, layer: int) -> str:
 
 
 def _layer_row(p: LayerPlan, layout: CacheLayout) -> dict[str, Any]:
-    topo = layout.topo
-    kv_cache = topo.kv_cache_of(p.layer) if p.kv_source is not None else None
-    ik_cache = topo.index_k_cache_of(p.layer) if p.index_k_source is not None else None
+    lr = layout.regions_map[p.layer]
+    kv_cache, ik_cache = lr.reads_kv, lr.reads_index
     return {
         "layer": p.layer, "ratio": p.ratio, "role": p.role.value, "draft": p.is_draft,
         "kv_source": p.kv_source, "index_source": p.index_source, "index_k_source": p.index_k_source,

@@ -54,8 +54,7 @@ class LLMEngine:
         self.max_model_len = min(model_len, capacity)
         slots = max(1, args.max_num_seqs)
         self.pool = BlockPool(self.layout, num_blocks, slots, self.device, self.dtype)
-        fan_out = getattr(getattr(model, "topo", None), "share_cache", True) and not args.share_kv_cache
-        self.backend = PagedBackend(self.pool, fan_out=fan_out)
+        self.backend = PagedBackend(self.pool)
         self.blocks = BlockManager(num_blocks, self.layout.block_size, slots, self.max_model_len, self.device)
         self.blocks.on_open = self._reset_slot
         self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)

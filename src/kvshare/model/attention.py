@@ -6,8 +6,10 @@ step:
 1. kv source: compress this step's tokens -> pre-RoPE latents of completed groups;
 2. index source: (owner) index keys from those latents are written; score against the static
    owner's index keys; candidates; top-k; publish. Other layers take their index source's top-k;
-3. kv source: RoPE + quantise the latents and write them into every region that reads them;
-4. read the selected compressed rows from ``topo.kv_cache_of(layer)`` (after the write);
+3. kv source: RoPE + quantise the latents and write them (``write_rows("kv", layer)``: the cache
+   backend stores them in every region its RegionMap assigns to this layer);
+4. read the selected compressed rows of this layer (``gather_rows("kv", layer)``; the backend
+   resolves the region: the kv source's when sharing, the layer's own copy when not), after the write;
 5. attend over the window (own ring, depth W) plus the selected rows, with the per-head sink;
    inverse RoPE at the query position; grouped ``wo_a`` then ``wo_b``.
 
@@ -56,8 +58,6 @@ class Attention(nn.Module):
             v4 = cfg.arch == "v4"
             self.compressor = Compressor(cfg.hidden_size, d, plan.ratio, cfg.rms_norm_eps,
                                          overlap=v4 and plan.ratio == 4, ape=v4)
-            readers = topo.kv_cache_readers(layer)
-            self.kv_targets = tuple(sorted({topo.kv_cache_of(r) for r in readers}))
         if plan.is_index_source:
             self.indexer = Indexer(cfg, topo, plan, mode, quantizer)
 
@@ -101,16 +101,14 @@ class Attention(nn.Module):
         if new is not None and new.j.numel():
             lat = ctx.rope_compress.rotate(new.latent, new.positions(self.ratio))
             lat = self.quantizer.compressed(lat)
-            for target in self.kv_targets:
-                ctx.cache.write_rows("kv", target, new.seq, new.j, lat, batch)
+            ctx.cache.write_rows("kv", self.layer, new.seq, new.j, lat, batch)
 
-        owner = self.topo.kv_cache_of(self.layer)
         if topk is not None:
             seq = ctx.seq_index.unsqueeze(1).expand_as(topk)
-            return ctx.cache.gather_rows("kv", owner, seq, topk, batch), topk >= 0
+            return ctx.cache.gather_rows("kv", self.layer, seq, topk, batch), topk >= 0
         # V4 HCA: every causal compressed entry.
         n_rows = torch.div(batch.ends, self.ratio, rounding_mode="floor")
-        rows, valid = ctx.cache.gather_prefix("kv", owner, n_rows, batch)
+        rows, valid = ctx.cache.gather_prefix("kv", self.layer, n_rows, batch)
         compress_len = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
         valid = valid[ctx.seq_index] & causal_mask(rows.shape[1], compress_len)
         return rows[ctx.seq_index], valid

@@ -4,8 +4,11 @@ Storage, allocated lazily on first use:
 
 * history rings ``(name, layer) -> [num_slots, depth, w]``: position p of a slot lives in row
   ``p % depth``; the dtype is that of the first values stored (fp32 for compressor states);
-* compressed rows ``(kind, layer) -> [num_slots, max_len // ratio(layer), w]`` in `dtype`
-  ("kv": post-RoPE latents, "index_k": index keys), addressed by (slot, compressed index).
+* compressed rows ``(kind, owner) -> [num_slots, max_len // ratio(owner), w]`` in `dtype`
+  ("kv": post-RoPE latents, "index_k": index keys), addressed by (slot, compressed index), one
+  table per region of the cache's `RegionMap` (``regions``; shared unless ``share_cache=False``
+  or the Topology says otherwise): ``write_rows(kind, L)`` stores into every region L writes,
+  ``gather_*(kind, L)`` reads the region L reads, exactly as the paged backend resolves them.
 
 Invariant: a sequence's history must be fed in position order, chunk after chunk, in the same
 slot (a new sequence starting at position 0 may reuse a slot without clearing it: rows of
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.cache.regions import RegionMap
 from kvshare.config import ModelConfig
 from kvshare.runtime import StepBatch
 from kvshare.topology import Topology
@@ -30,8 +34,10 @@ class DenseCache:
     """Plain-tensor `CacheBackend` for up to `num_slots` sequences of at most `max_len` tokens."""
 
     def __init__(self, cfg: ModelConfig, topo: Topology, num_slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 share_cache: bool | None = None) -> None:
         self.cfg, self.topo = cfg, topo
+        self.regions = RegionMap(topo, topo.share_cache if share_cache is None else share_cache)
         self.num_slots, self.max_len = num_slots, max_len
         self.dtype, self.device = dtype, torch.device(device)
         self.rings: dict[tuple[str, int], torch.Tensor] = {}
@@ -63,34 +69,37 @@ class DenseCache:
         return out, valid
 
     # ---- compressed rows -----------------------------------------------------------------
-    def _table(self, kind: str, layer: int, width: int | None) -> torch.Tensor | None:
-        key = (kind, layer)
+    def _table(self, kind: str, owner: int, width: int) -> torch.Tensor:
+        key = (kind, owner)
         t = self.rows.get(key)
-        if t is None and width is not None:
-            n = self.max_len // max(self.cfg.compress_ratios[layer], 1)
+        if t is None:
+            n = self.max_len // max(self.cfg.compress_ratios[owner], 1)
             t = torch.zeros(self.num_slots, n, width, dtype=self.dtype, device=self.device)
             self.rows[key] = t
         return t
 
+    def region_rows(self, kind: str, layer: int) -> torch.Tensor | None:
+        """The row table layer `layer` reads, or None if nothing was written to it yet."""
+        return self.rows.get((kind, self.regions.reads(kind, layer)))
+
     def write_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
                    batch: StepBatch) -> None:
-        table = self._table(kind, layer, values.shape[-1])
-        assert table is not None
-        if index.numel() and int(index.max()) >= table.shape[1]:
-            raise IndexError(f"compressed row {int(index.max())} of layer {layer} exceeds max_len {self.max_len}")
-        if values.requires_grad and torch.is_grad_enabled():
-            # Training: rebuild the table out of place so later reads in this forward carry gradients.
-            self.rows[(kind, layer)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
-        else:
-            table[batch.slots[seq], index] = values.detach().to(table.dtype)
+        for owner in self.regions.writes(kind, layer):
+            table = self._table(kind, owner, values.shape[-1])
+            if index.numel() and int(index.max()) >= table.shape[1]:
+                raise IndexError(f"compressed row {int(index.max())} of layer {layer} exceeds max_len {self.max_len}")
+            if values.requires_grad and torch.is_grad_enabled():
+                # Training: rebuild the table out of place so later reads in this forward carry gradients.
+                self.rows[(kind, owner)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
+            else:
+                table[batch.slots[seq], index] = values.detach().to(table.dtype)
 
     def _width(self, kind: str) -> int:
         return self.cfg.head_dim if kind == "kv" else self.cfg.index_head_dim
 
     def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:
-        table = self._table(kind, layer, self._width(kind))
-        assert table is not None
+        table = self._table(kind, self.regions.reads(kind, layer), self._width(kind))
         if seq.dim() < index.dim():
             seq = seq.view(*seq.shape, *([1] * (index.dim() - seq.dim())))
         slot = batch.slots[seq].expand_as(index)
@@ -99,8 +108,7 @@ class DenseCache:
 
     def gather_prefix(self, kind: str, layer: int, n_rows: torch.Tensor,
                       batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._table(kind, layer, self._width(kind))
-        assert table is not None
+        table = self._table(kind, self.regions.reads(kind, layer), self._width(kind))
         width = int(n_rows.max()) if n_rows.numel() else 0
         j = torch.arange(width, device=n_rows.device)
         valid = j.unsqueeze(0) < n_rows.unsqueeze(1)

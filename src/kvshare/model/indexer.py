@@ -3,12 +3,13 @@
 * Index keys (owners only). V4.1: ``k_norm(wk(latent))`` from the compressor's pre-RoPE latent;
   V4: the indexer's own overlapping ratio-4 compressor of width `index_head_dim`. Then RoPE on
   the trailing rope dims at the entry position, then FP4 (V4: Hadamard first). Written as
-  "index_k" rows into every cache region that reads this owner (one region when sharing).
+  "index_k" rows by this layer; the cache backend puts them in every region its RegionMap assigns
+  to this layer (one when sharing, every copy when not).
 * Queries (every index source): ``wq_b(qr)`` -> [H_I, d_I], RoPE at t, FP4 (V4: Hadamard first).
   Head weights ``weights_proj(x) * d_I^-0.5 * H_I^-0.5``.
-* Scores against rows [0, end // ratio) of the STATIC index-K owner's cache
-  (``topo.index_k_cache_of(layer)``; the corrected §9 behaviour, even on steps where the owner
-  wrote nothing), causal mask ``j < (t + 1) // ratio``.
+* Scores against rows [0, end // ratio) of the index keys this layer reads (the backend resolves
+  the region: the STATIC index-K owner's when sharing, the corrected §9 behaviour, even on steps
+  where the owner wrote nothing; the layer's own copy when not), causal mask ``j < (t + 1) // ratio``.
 * The candidate source publishes its candidate mask from its unrestricted scores; later index
   sources of the same ratio mask their scores with it; then deterministic top-k.
 
@@ -51,11 +52,6 @@ class Indexer(nn.Module):
         if cfg.arch == "v4":
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, plan.ratio, cfg.rms_norm_eps,
                                          overlap=plan.ratio == 4, ape=True, name="indexer_compressor")
-        self.key_cache = topo.index_k_cache_of(plan.layer)
-        self.key_targets: tuple[int, ...] = ()
-        if self.owns_keys:
-            readers = topo.index_k_cache_readers(plan.layer)
-            self.key_targets = tuple(sorted({topo.index_k_cache_of(r) for r in readers}))
 
     # ---- index keys (owners) ---------------------------------------------------------------
     def write_keys(self, ctx: StepContext, x: torch.Tensor, latent: Emitted | None) -> None:
@@ -73,8 +69,7 @@ class Indexer(nn.Module):
             return
         keys = ctx.rope_compress.rotate(keys, new.positions(self.ratio))
         keys = self.quantizer.index(keys)
-        for target in self.key_targets:
-            ctx.cache.write_rows("index_k", target, new.seq, new.j, keys, ctx.batch)
+        ctx.cache.write_rows("index_k", self.layer, new.seq, new.j, keys, ctx.batch)
 
     # ---- selection ---------------------------------------------------------------------------
     def select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
@@ -85,7 +80,7 @@ class Indexer(nn.Module):
         q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
         w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         n_rows = torch.div(ctx.batch.ends, self.ratio, rounding_mode="floor")
-        keys, _ = ctx.cache.gather_prefix("index_k", self.key_cache, n_rows, ctx.batch)
+        keys, _ = ctx.cache.gather_prefix("index_k", self.layer, n_rows, ctx.batch)
         compress_len = torch.div(pos + 1, self.ratio, rounding_mode="floor")
         scores = index_scores(q, w, keys, ctx.seq_index)
         scores = scores.masked_fill(~causal_mask(scores.shape[1], compress_len), float("-inf"))

@@ -75,7 +75,7 @@ def indexer_kl(model: Any, cap: Capture, cache: Any, batch: StepBatch) -> torch.
     for src, raw in cap.scores.items():
         ratio = cfg.compress_ratios[src]
         consumers = [c for c in range(cfg.num_hidden_layers) if topo[c].index_source == src and c in cap.queries]
-        table = cache.rows.get(("kv", topo.kv_cache_of(src)))
+        table = cache.region_rows("kv", src)
         if not consumers or table is None:
             continue
         n_entries = raw.shape[1]
