@@ -61,3 +61,39 @@ def test_straight_through_gradient_is_identity() -> None:
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
     assert torch.equal(y.detach(), fake_quant_fp4(x.detach(), 32))
+
+
+def _pow2_ceil_exact(x: float) -> float:
+    """Smallest power of two >= x, by exact rational comparisons (no floating log)."""
+    from fractions import Fraction
+
+    q = Fraction(x)
+    k = q.numerator.bit_length() - q.denominator.bit_length()
+    while Fraction(2) ** k < q:
+        k += 1
+    while Fraction(2) ** (k - 1) >= q:
+        k -= 1
+    return float(Fraction(2) ** k)
+
+
+def test_pow2_ceil_is_exact_on_every_fp32_binade_edge() -> None:
+    """For every fp32 exponent (subnormals included): 2^e, its neighbours, and mid-binade values.
+
+    The old fp32 ``exp2(ceil(log2(x)))`` failed here: log2(2^-7 * (1 + 2^-23)) rounds to -7.
+    """
+    from kvshare.quant import pow2_ceil
+
+    vals = []
+    for e in range(-149, 127):
+        p = torch.tensor(2.0**e, dtype=torch.float32)
+        vals += [p, torch.nextafter(p, torch.tensor(float("inf"))), torch.nextafter(p, torch.tensor(0.0)),
+                 p * 1.5, p * 1.75]
+    x = torch.stack(vals)
+    x = x[(x > 0) & torch.isfinite(x)]
+    g = torch.Generator().manual_seed(0)
+    rand = torch.exp2(torch.empty(2000).uniform_(-140, 120, generator=g)).float()
+    x = torch.cat([x, rand, torch.tensor([2**-7 * (1 + 2**-23), 1e-4 / 448, 6 * 2.0**-126 / 6])])
+    got = pow2_ceil(x)
+    want = torch.tensor([_pow2_ceil_exact(v) for v in x.tolist()], dtype=torch.float64)
+    assert torch.equal(got.double(), want)
+    assert pow2_ceil(torch.tensor([2**-7 * (1 + 2**-23)])).item() == 2**-6

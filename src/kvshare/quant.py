@@ -34,8 +34,15 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2(x)) for positive x (an exact power of two maps to itself)."""
-    return torch.exp2(torch.ceil(torch.log2(x)))
+    """2^ceil(log2(x)) for positive finite x, exact for every value (subnormals included).
+
+    From the exponent bits, not a floating log2 (fp32 log2 rounds 2^-7 * (1 + 2^-23) to -7):
+    ``x = m * 2^e`` with m in [0.5, 1); x is a power of two iff m == 0.5 (then the answer is x),
+    otherwise it is 2^e. Values above the largest power of two of the dtype give inf.
+    """
+    m, e = torch.frexp(x)
+    up = torch.ldexp(torch.ones_like(x), e)
+    return torch.where(m == 0.5, x, up)
 
 
 def fp8_codes(x: torch.Tensor, block: int, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
