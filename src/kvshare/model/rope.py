@@ -5,8 +5,10 @@ tail are complex numbers multiplied by exp(i * pos * f_i). Ratio-0 layers use `r
 YaRN; every ratio > 0 layer (Full, Reindex and Reuse alike) uses `compress_rope_theta` with YaRN
 when the config has it. No YaRN magnitude scaling (mscale) is applied anywhere.
 
-Angles are computed on the fly in fp32 from the positions (no table of max_position_embeddings
-rows), the rotation runs in fp32 and the result is cast back to the input dtype once.
+Angles are computed on the fly from the positions (no table of max_position_embeddings rows) in
+fp32, or in float64 for a float64 input (`precision.wide`: exactness runs stay float64); the
+rotation runs in that dtype and the result is cast back to the input dtype once. Frequencies are
+kept in float64 outside the module's buffers, so ``model.to(bfloat16)`` cannot round them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def rope_frequencies(rope_dim: int, base: float, yarn: YarnConfig | None) -> tor
             high += 0.001
         ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
         freqs = freqs * (1 - ramp) + freqs / yarn.factor * ramp
-    return freqs.float()
+    return freqs
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,7 +53,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope_dim: int, base: float, yarn: YarnConfig | None) -> None:
         super().__init__()
         self.rope_dim = rope_dim
-        self.register_buffer("inv_freq", rope_frequencies(rope_dim, base, yarn), persistent=False)
+        self.freqs64 = rope_frequencies(rope_dim, base, yarn)  # float64, never cast by .to(dtype)
+        self._freqs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def _freqs_for(self, x: torch.Tensor) -> torch.Tensor:
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        key = (x.device, dt)
+        f = self._freqs.get(key)
+        if f is None:
+            f = self._freqs[key] = self.freqs64.to(device=x.device, dtype=dt)
+        return f
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x[..., -rope_dim:] rotated by +angle (or -angle when `inverse`); other dims untouched.
@@ -60,13 +71,14 @@ class RotaryEmbedding(nn.Module):
         between the positions' dims and the last are broadcast (heads).
         """
         rd = self.rope_dim
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(x.device)
+        freqs = self._freqs_for(x)
+        angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
         extra = x.dim() - 1 - positions.dim()
         angles = angles.view(*positions.shape, *([1] * extra), rd // 2)
         cos, sin = angles.cos(), angles.sin()
         if inverse:
             sin = -sin
-        tail = x[..., -rd:].float().unflatten(-1, (rd // 2, 2))
+        tail = x[..., -rd:].to(freqs.dtype).unflatten(-1, (rd // 2, 2))
         a, b = tail[..., 0], tail[..., 1]
         rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
         return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
