@@ -121,7 +121,8 @@ def test_seeded_sampling_is_batch_independent_and_logprobs(model):
     assert alone.token_ids == mixed.token_ids
     assert alone.logprobs is not None and len(alone.logprobs) == 4
     assert all(lp <= 0 for lp in alone.logprobs)
-    assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(mixed.logprobs), atol=1e-4)
+    # fp32 model, batch-shape noise only: observed 9.5e-7
+    assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(mixed.logprobs), atol=5e-6)
 
 
 def test_stats_and_metrics(model):

@@ -49,7 +49,7 @@ class RecordingCache:
 
 
 def prefill_recorded(model, ids):
-    cache = RecordingCache(DenseCache(model.cfg, model.topo, 1, MAX_LEN))
+    cache = RecordingCache(DenseCache(model.cfg, model.topo, 1, MAX_LEN, dtype=model.embed.weight.dtype))
     state = StepState()
     with torch.no_grad():
         logits = model(ids, StepBatch.build([0], [ids.numel()]), cache, state)
@@ -78,11 +78,11 @@ def test_every_layer_reads_its_sources_picks_from_its_kv_source() -> None:
 
 def test_reindex_reads_owner_keys_on_incomplete_group_steps() -> None:
     """Decode at an even position: the ratio-2 owner (1) writes no key, Reindex layer 2 still reads 1's."""
-    model = make_model("cand")
+    model = make_model("cand").double()
     ids = token_ids(model.cfg, SEQ + 1)
     _, full_state, full = prefill_recorded(model, ids)
     t = 20  # even: group (20, 21) is incomplete
-    inner = DenseCache(model.cfg, model.topo, 1, MAX_LEN)
+    inner = DenseCache(model.cfg, model.topo, 1, MAX_LEN, dtype=torch.float64)
     run_chunks(model, ids[:t], [t], cache=inner)
     cache, state = RecordingCache(inner), StepState()
     with torch.no_grad():

@@ -19,7 +19,7 @@ SEQ = 136  # the first ratio-128 entry becomes visible at t = 127
 
 @pytest.mark.parametrize("quant", [False, True], ids=["plain", "quant"])
 def test_v4_prefill_chunks_and_decode_agree(quant: bool) -> None:
-    model = make_model("tiny-v4", quant)
+    model = make_model("tiny-v4", quant).double()
     model.record_ties()
     ids = token_ids(model.cfg, SEQ)
     full = run_chunks(model, ids, [SEQ])
@@ -57,10 +57,10 @@ def test_v4_index_keys_come_from_the_indexer_compressor() -> None:
 
 
 def test_v4_batched_with_hash_layer_equals_alone() -> None:
-    model = make_model("tiny-v4", True)
+    model = make_model("tiny-v4", True).double()
     a, b = token_ids(model.cfg, 40, seed=3), token_ids(model.cfg, 23, seed=4)
     alone_a, alone_b = run_chunks(model, a, [33, 7]), run_chunks(model, b, [20, 3])
-    cache = DenseCache(model.cfg, model.topo, 2, MAX_LEN)
+    cache = DenseCache(model.cfg, model.topo, 2, MAX_LEN, dtype=torch.float64)
     with torch.no_grad():
         first = model(torch.cat([a[:33], b[:20]]), StepBatch.build([0, 0], [33, 20], [1, 0]), cache)
         second = model(torch.cat([a[33:], b[20:]]), StepBatch.build([33, 20], [7, 3], [1, 0]), cache)
