@@ -10,7 +10,6 @@ import pytest
 
 from kvshare.cli import main
 from kvshare.cli.arg_types import parse_bytes as parse_memory
-from kvshare.config import load_config
 from kvshare.shipped import CONFIG_DIR
 
 ARGS = ["plan", "deepseek-v4.1-flash", "--memory", "80GiB", "--max-seqs", "64", "--json"]
