@@ -50,6 +50,7 @@ _REFERENCE_ALIASES = {
     "index_k_source_layers": "index_k_source_layer_ids",
     "candidate_source_layer": "candidate_source_layer_id",
     "max_seq_len": "max_position_embeddings",
+    "engram_pad_id": "engram_pad_token_id",
 }
 
 
@@ -108,6 +109,13 @@ class ModelConfig:
     candidate_topk_blocks: int = 0
     candidate_block_size: int = 0
     engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_vocab_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_token_id: int = 0
+    engram_compressed_vocab_size: int = 0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
@@ -144,7 +152,7 @@ class ModelConfig:
             d = {k: v for k, v in raw.items() if k != "kvshare_format"}
             d["yarn"] = YarnConfig(**d["yarn"]) if d.get("yarn") else None
             for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                      "engram_layer_ids", "eos_token_ids"):
+                      "engram_layer_ids", "engram_num_embeddings", "eos_token_ids"):
                 d[k] = tuple(d[k])
             if d.get("index_k_source_layer_ids") is not None:
                 d["index_k_source_layer_ids"] = tuple(d["index_k_source_layer_ids"])
@@ -278,6 +286,15 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
+def _engram_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `engram_*` sizes (spec/engram_dspark.md §1.1); absent fields are 0 / empty."""
+    out: dict[str, Any] = {"engram_num_embeddings": _int_list(raw, "engram_num_embeddings")}
+    for name in ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                 "engram_pad_token_id", "engram_compressed_vocab_size"):
+        out[name] = _req(raw, name) if raw.get(name) is not None else 0
+    return out
+
+
 def _parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
     top = raw
     if isinstance(raw.get("text_config"), dict):
@@ -358,6 +375,7 @@ def _parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
         candidate_topk_blocks=int(raw.get("candidate_topk_blocks", 0) or 0),
         candidate_block_size=int(raw.get("candidate_block_size", 0) or 0),
         engram_layer_ids=engram,
+        **_engram_fields(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=_eos(raw),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from kvshare.config_engram import validate_engram
 from kvshare.config_limits import check_sizes
 from kvshare.errors import ConfigError
 
@@ -79,3 +80,4 @@ def validate_config(cfg: ModelConfig) -> None:
         raise ConfigError(f"{cfg.act_quant_block} must be a power of two", field="quantization_config.weight_block_size")
     if cfg.yarn is not None and (cfg.yarn.factor <= 0 or math.isnan(cfg.yarn.factor)):
         raise ConfigError("yarn factor must be positive", field="rope_scaling")
+    validate_engram(cfg)

@@ -29,6 +29,9 @@ class StepBatch:
     rings and states hold sequence i's history (prior positions ``< starts[i]``).
     ``block_tables`` (paged backend only) maps sequence i's logical block b to a physical block.
     ``logit_rows`` are the token rows whose logits the caller needs (None: every row).
+    ``prev_tokens`` [N, K] holds each sequence's token ids at positions ``starts[i] - K ..
+    starts[i] - 1`` (oldest first; columns before position 0 are padding); Engram hashes a chunk's
+    first tokens with them. Only needed when a chunk starts after position 0 and the model has Engram.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -39,6 +42,7 @@ class StepBatch:
     slots: torch.Tensor  # [N] int64
     block_tables: torch.Tensor | None = None  # [N, max_blocks] int64, 0 = null block
     logit_rows: torch.Tensor | None = None  # [R] int64
+    prev_tokens: torch.Tensor | None = None  # [N, K] int64
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +66,12 @@ class StepBatch:
         block_tables: torch.Tensor | None = None,
         logit_rows: list[int] | torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        prev_tokens: list[list[int]] | torch.Tensor | None = None,
     ) -> "StepBatch":
-        """Build the index tensors from per-sequence chunk starts and lengths."""
+        """Build the index tensors from per-sequence chunk starts and lengths.
+
+        `prev_tokens` as lists: sequence i's ids just before its chunk, at most K of them (fewer
+        only when the chunk starts before position K); they are left-padded to [N, K]."""
         if len(starts) != len(lens) or not lens or min(lens) <= 0:
             raise ValueError("every sequence in a step needs a chunk of at least one token")
         n = len(lens)
@@ -77,7 +85,18 @@ class StepBatch:
         lr = None
         if logit_rows is not None:
             lr = torch.as_tensor(logit_rows, dtype=torch.int64, device=device)
-        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr)
+        prev = None
+        if isinstance(prev_tokens, torch.Tensor):
+            prev = prev_tokens.to(device=device, dtype=torch.int64)
+        elif prev_tokens is not None:
+            k = max((len(p) for p in prev_tokens), default=0)
+            for i, p in enumerate(prev_tokens):
+                if len(p) != min(k, starts[i]):
+                    raise ValueError(f"sequence {i}: {len(p)} previous tokens for a chunk at position {starts[i]} "
+                                     f"(expected {min(k, starts[i])})")
+            prev = torch.tensor([[0] * (k - len(p)) + list(p) for p in prev_tokens], dtype=torch.int64,
+                                device=device).reshape(n, k)
+        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr, prev)
 
 
 @dataclass

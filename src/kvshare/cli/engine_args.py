@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-quantize", dest="quantize", action="store_false", default=True,
                    help="turn off the FP8/FP4 cache and activation fake-quantisation the checkpoint was "
                         "trained with")
+    g.add_argument("--engram-table", default=None, choices=["mmap", "memory"],
+                   help="where Engram (V4.1) tables live on the host: mmap = memory-mapped from the checkpoint "
+                        "(default; little resident memory), memory = read into RAM at load (fastest lookups)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler's random stream (generate and chat also seed their request "
                         "with it, so a run is reproducible); random weights always use the model's fixed seed")
@@ -73,6 +76,7 @@ _ENGINE_KEYS = {
     "share_kv_cache": "share_kv_cache",
     "quantize": "quantize",
     "seed": "seed",
+    "engram_table": "engram_table",
 }
 
 

@@ -5,7 +5,9 @@ Defaults: ``block_size`` None = lcm(64, every compress ratio in use) (64 for V4.
 rows matching the model dtype (fp32 or bf16) for kv, index keys and window; ``quantize`` None =
 keep the model's own fake-quant setting; pool = ``num_blocks``, else what ``gpu_memory_bytes``
 holds after every slot's rings, else enough blocks for ``max_num_seqs`` full-length sequences
-(capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds).
+(capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds);
+``engram_table`` "mmap" = Engram tables memory-mapped from the checkpoint (resident memory stays
+small; rows come from the page cache), "memory" = read into RAM at load (fastest lookups).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class EngineArgs:
     quantize: bool | None = None
     seed: int | None = None
     chunked_prefill: bool = True
+    engram_table: str = "mmap"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -83,7 +83,8 @@ class LLMEngine:
             self.device = resolve_device(args.device)
             self.dtype = resolve_dtype(args.dtype, self.device)
             quant = True if args.quantize is None else args.quantize
-            return load_model(model or "kvshare-mini-v41", dtype=self.dtype, device=self.device, quant=quant)
+            return load_model(model or "kvshare-mini-v41", dtype=self.dtype, device=self.device, quant=quant,
+                              engram_table=args.engram_table)
         p = next(model.parameters())
         self.device = resolve_device(args.device) if args.device is not None else p.device
         self.dtype = resolve_dtype(args.dtype, self.device) if args.dtype is not None else p.dtype

@@ -38,8 +38,10 @@ class ModelRunner:
         tables = self.blocks.tables[:, :ncols].index_select(0, slot_t).to(self.device)
         # Logits only for the last row of each sequence (cheap), sampling rows picked after.
         ends = list(itertools.accumulate(lens))
+        back = getattr(self.model, "engram_lookback", 0)  # Engram hashes need the ids before each chunk
+        prev = [c.seq.token_slice(max(0, c.start - back), c.start) for c in chunks] if back else None
         batch = StepBatch.build(starts, lens, slots, block_tables=tables,
-                                logit_rows=[e - 1 for e in ends], device=self.device)
+                                logit_rows=[e - 1 for e in ends], device=self.device, prev_tokens=prev)
         return input_ids, batch, sampling
 
     @torch.inference_mode()

@@ -16,7 +16,8 @@ class StepContext:
 
     Invariants: ``positions`` and ``seq_index`` are ``batch.positions`` / ``batch.seq_index``;
     ``state`` is fresh for this step; ``ties`` (when not None) collects ``(layer, kind, rows)``
-    for every top-k whose boundary was an exact tie (kind "index" or "candidates").
+    for every top-k whose boundary was an exact tie (kind "index" or "candidates");
+    ``engram_ids`` [T, n_engram_layers, cols] are this step's Engram row ids (None without Engram).
     """
 
     batch: StepBatch
@@ -26,6 +27,7 @@ class StepContext:
     rope_main: RotaryEmbedding
     rope_compress: RotaryEmbedding
     ties: list[tuple[int, str, int]] | None = field(default=None)
+    engram_ids: torch.Tensor | None = field(default=None)
 
     @property
     def positions(self) -> torch.Tensor:

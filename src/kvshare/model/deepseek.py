@@ -7,8 +7,14 @@ Cross-layer hand-offs live in a fresh `StepState` per forward.
 
 Parameter names equal DeepSeek's released checkpoint names (`embed.weight`, `layers.{L}.attn.*`,
 `layers.{L}.ffn.*`, `layers.{L}.{attn_norm,ffn_norm}.weight`, `layers.{L}.hc_{attn,ffn}_{fn,base,scale}`,
-`norm.weight`, `head.weight`, V4 `hc_head_{fn,base,scale}`). Draft (MTP / DSpark) layers are not
-built. Engram is not implemented: a config with `engram_layer_ids` is refused here.
+`norm.weight`, `head.weight`, V4 `hc_head_{fn,base,scale}`, V4.1 `layers.{L}.engram.{wkv.weight,
+q_weight,k_weight}`). Draft (MTP / DSpark) layers are not built.
+
+Engram (V4.1, `model/engram.py`): the row ids of every Engram layer are hashed once per forward
+(before the embedding) from the step's tokens and ``batch.prev_tokens``; block L adds its Engram
+output to the streams before computing its mixes. The hash needs the model's tokenizer (its
+compressed token map); without one the byte-level tokenizer of the vocabulary is used, and a
+compressed vocabulary that does not match the config raises ConfigError.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from kvshare.config import ModelConfig
 from kvshare.errors import ConfigError
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
+from kvshare.model.engram import Engram, lookback_ids
+from kvshare.model.engram_hash import EngramHasher, EngramLayout
+from kvshare.model.engram_table import EngramTable
 from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
 from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
@@ -47,6 +56,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, width)))
             setattr(self, f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
             setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
+        self.engram = Engram(cfg, layer, mode) if layer in cfg.engram_layer_ids else None
 
     def _mix(self, sub: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -58,6 +68,9 @@ class Block(nn.Module):
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams after the block, the `pre` the next sublayer collapses with in V4.1)."""
         lagged = self.cfg.arch == "v41"
+        if self.engram is not None:  # pre_prev stays: it was computed from the pre-Engram stream (§7.1)
+            assert ctx.engram_ids is not None
+            h = self.engram(h, ctx.engram_ids[:, self.engram.index])
         pre, post, comb = self._mix("attn", h)
         x = hc_collapse(h, pre_prev if lagged else pre)
         h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb)
@@ -71,12 +84,12 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """DeepSeek-V4 / V4.1 backbone over a ragged `StepBatch` (see module doc)."""
 
-    def __init__(self, cfg: ModelConfig, topo: Topology | None = None, quant: bool | QuantMode = True) -> None:
+    def __init__(self, cfg: ModelConfig, topo: Topology | None = None, quant: bool | QuantMode = True,
+                 tokenizer: object | None = None) -> None:
         super().__init__()
-        if cfg.engram_layer_ids:
-            raise ConfigError(f"Engram (layers {list(cfg.engram_layer_ids)}) is not implemented by the model",
-                              field="engram_layer_ids", fix="use a config without Engram layers")
         self.cfg = cfg
+        self.engram_hash = _engram_hasher(cfg, tokenizer) if cfg.engram_layer_ids else None
+        self.engram_lookback = cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
         self.topo = topo if topo is not None else Topology(cfg)
         self.quant = QuantMode.of(quant)
         self.quantizer = KVQuantizer(cfg, self.quant)
@@ -113,6 +126,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         state = state if state is not None else StepState()
         ctx = StepContext(batch, cache, state, input_ids, self.rope_main, self.rope_compress, self.tie_log)
+        if self.engram_hash is not None:
+            ctx.engram_ids = self.engram_hash(*lookback_ids(input_ids, batch, self.engram_lookback + 1))
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = identity_pre(h.shape[0], cfg.hc_mult, h.device) if cfg.arch == "v41" else None
@@ -150,7 +165,7 @@ class Transformer(nn.Module):
                 val = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1])
             elif leaf.endswith("_base"):
                 val = 0.5 * torch.randn(p.shape, generator=g)
-            elif leaf.endswith("_scale"):
+            elif leaf.endswith("_scale") or leaf in ("q_weight", "k_weight"):
                 val = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
             else:
                 raise RuntimeError(f"init_weights: no rule for parameter {name}")
@@ -160,4 +175,40 @@ class Transformer(nn.Module):
                 n_exp = self.cfg.n_routed_experts
                 perm = torch.argsort(torch.rand(buf.shape[0], n_exp, generator=g), dim=1)
                 buf.copy_(perm[:, : buf.shape[1]])
+        rows = self.cfg.engram_num_embeddings
+        self.attach_engram_tables({lid: EngramTable.random(n, self.cfg.engram_head_dim, g)
+                                   for lid, n in zip(self.cfg.engram_layer_ids, rows)})
         return self
+
+    def engram_tables(self) -> dict[int, EngramTable]:
+        """The attached Engram table of each Engram layer (layer id -> table)."""
+        return {b.engram.layer: b.engram.table for b in self.layers if b.engram is not None and b.engram.table is not None}
+
+    def attach_engram_tables(self, tables: dict[int, EngramTable]) -> None:
+        """Give each Engram layer its table (they stay on the CPU whatever the model's device)."""
+        for lid, n in zip(self.cfg.engram_layer_ids, self.cfg.engram_num_embeddings):
+            t = tables[lid]
+            if (t.rows, t.dim) != (n, self.cfg.engram_head_dim):
+                raise ValueError(f"layer {lid}: Engram table is {t.rows} x {t.dim}, the config needs "
+                                 f"{n} x {self.cfg.engram_head_dim}")
+            self.layers[lid].engram.table = t
+
+
+def _engram_hasher(cfg: ModelConfig, tokenizer: object | None) -> EngramHasher:
+    """The hasher of `cfg` over `tokenizer`'s compressed map (default: the byte tokenizer of the vocab)."""
+    from kvshare.model.engram_tokens import compressed_token_map
+    from kvshare.tokenizer import ByteTokenizer
+
+    if tokenizer is None:
+        if cfg.vocab_size < 256:
+            raise ConfigError(f"an Engram model needs a tokenizer; vocab_size {cfg.vocab_size} has no byte-level one",
+                              field="engram_compressed_vocab_size", fix="pass the model's tokenizer")
+        tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                cfg.engram_vocab_size, cfg.engram_compressed_vocab_size)
+    try:
+        return EngramHasher(layout, compressed_token_map(tokenizer), cfg.engram_compressed_vocab_size,
+                            cfg.engram_pad_token_id, cfg.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"{e} (tokenizer: {type(tokenizer).__name__})", field="engram_compressed_vocab_size",
+                          fix="load the model with its own tokenizer.json") from None

@@ -35,6 +35,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from kvshare.config import ModelConfig
+from kvshare.config_engram import engram_param_shapes
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.topology import Topology
 
@@ -260,7 +261,8 @@ def kvshare_to_transformers(state_dict: dict[str, torch.Tensor], cfg: ModelConfi
 
 
 def released_shapes(cfg: ModelConfig, topo: Topology | None = None) -> dict[str, Shape]:
-    """Every backbone tensor in the released naming with its shape (no `mtp.*`, no Engram)."""
+    """Every backbone tensor in the released naming with its shape (no `mtp.*`; Engram's `wkv`, `q_weight`
+    and `k_weight` but not its tables, which `engram_table.open_tables` checks)."""
     topo = topo or Topology(cfg)
     d, h, hd, hc = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     e, inter, di = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.index_head_dim
@@ -306,6 +308,7 @@ def released_shapes(cfg: ModelConfig, topo: Topology | None = None) -> dict[str,
         if cfg.arch == "v41" and plan.is_index_k_source:
             t.update({"attn.indexer.wk.weight": (di, hd), "attn.indexer.k_norm.weight": (di,)})
         out.update({p + k: v for k, v in t.items()})
+    out.update(engram_param_shapes(cfg))
     return out
 
 

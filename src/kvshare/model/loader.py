@@ -10,6 +10,8 @@
   packed FP4 (layout in `weights_quant`). Tensors without a scale are returned as stored.
   Draft (``mtp.*``, or backbone-style layers past ``num_hidden_layers``) and vision tensors are
   skipped with one logged warning; missing, unexpected or mis-shaped tensors raise CheckpointError.
+  Engram tables (``layers.L.engram.embed.{weight,scale}``) are never read here: their headers are
+  checked, and `load_model` memory-maps them (or reads them into RAM, ``engram_table="memory"``).
 * `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
   read back by `ModelConfig.from_dict` to an equal config) + safetensors in the released naming.
 * `export_transformers(model_or_state_dict, cfg, out_dir, ...)`: a V4 checkpoint for transformers 5.23
@@ -36,6 +38,7 @@ from kvshare.errors import CheckpointError, ConfigError
 from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import (INDEX_FILE, SINGLE_FILE, check_header_shapes, describe,
                                            refuse_pickle_only, weight_files)
+from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
 from kvshare.model.hf_naming import (
     TRANSFORMERS_NAMINGS,
     is_transformers_naming,
@@ -81,6 +84,8 @@ def _read_all(files: list[Path]) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
+                    if is_table_name(name):  # Engram tables: memory-mapped by `open_tables`, never read whole
+                        continue
                     if name in out:
                         raise CheckpointError(f"tensor `{name}` appears in more than one shard ({f.name})")
                     out[name] = fh.get_tensor(name)
@@ -152,10 +157,9 @@ def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Read a checkpoint into a released-naming state dict checked against `cfg` (see module doc)."""
-    if cfg.engram_layer_ids:
-        raise ConfigError(f"Engram layers {list(cfg.engram_layer_ids)} are not supported by kvshare",
-                          field="engram_layer_ids", fix="use a config without Engram layers")
-    raw = _read_all(checkpoint_files(path))
+    files = checkpoint_files(path)
+    raw = _read_all(files)
+    engram_tables(files, cfg, "mmap")  # names, dtypes and shapes of the Engram tables
     skipped = {"draft": 0, "vision": 0}
     kept: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
@@ -172,6 +176,11 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
         state["head.weight"] = state["embed.weight"]
     check_state_dict(state, released_shapes(cfg))
     return state
+
+
+def engram_tables(files: list[Path], cfg: ModelConfig, mode: TableMode = DEFAULT_TABLE_MODE) -> dict:
+    """The Engram table of each Engram layer of `cfg` in the checkpoint `files` (layer id -> EngramTable)."""
+    return open_tables(files, cfg.engram_layer_ids, cfg.engram_num_embeddings, cfg.engram_head_dim, mode)
 
 
 def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -228,6 +237,8 @@ def save_checkpoint(model_or_state_dict: torch.nn.Module | dict[str, torch.Tenso
     `shard_bytes` None writes one ``model.safetensors``; otherwise shards of at most that many bytes
     (a larger single tensor gets its own shard) plus ``model.safetensors.index.json``."""
     sd = _released_state(model_or_state_dict, cfg)
+    for layer, table in getattr(model_or_state_dict, "engram_tables", dict)().items():
+        sd[f"layers.{layer}.engram.embed.weight"], sd[f"layers.{layer}.engram.embed.scale"] = table.to_tensors()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_style_config(cfg), indent=2) + "\n")
@@ -303,11 +314,13 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant: "bool | QuantMode" = True) -> "Transformer":
+               quant: "bool | QuantMode" = True, engram_table: TableMode = DEFAULT_TABLE_MODE) -> "Transformer":
     """Build a `Transformer` from a checkpoint directory, a config file, or a shipped config name.
 
     With weights next to the config they are loaded; otherwise the model is randomly initialised
-    with `init_weights(DEFAULT_SEED)` (deterministic)."""
+    with `init_weights(DEFAULT_SEED)` (deterministic), except Engram tables too large to invent
+    (ConfigError). Engram tables stay on the CPU, memory-mapped (`engram_table="mmap"`, the
+    default) or read into RAM (`"memory"`); Engram hashing uses the model's tokenizer."""
     from kvshare.model.deepseek import Transformer
 
     from kvshare.shipped import shipped_model_dir
@@ -318,17 +331,24 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
         name_or_path = p = shipped
     weights_dir = p if p.is_dir() else (p.parent if p.is_file() else None)
     cfg = load_config(str(name_or_path))
-    if cfg.engram_layer_ids:
-        raise ConfigError(f"Engram layers {list(cfg.engram_layer_ids)} are not supported by kvshare",
-                          field="engram_layer_ids", fix="use a config without Engram layers")
     if weights_dir is not None:
         refuse_pickle_only(weights_dir)
     with_weights = weights_dir is not None and has_weights(weights_dir)
+    tokenizer = None
+    if cfg.engram_layer_ids:
+        from kvshare.config_engram import check_random_tables
+        from kvshare.tokenizer import load_tokenizer
+
+        if not with_weights:
+            check_random_tables(cfg, str(name_or_path))
+        tokenizer = load_tokenizer(str(name_or_path))
     if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
         check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg))
-    model = Transformer(cfg, quant=quant)
+    model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
     if with_weights:
         load_state_into(model, load_checkpoint(weights_dir, cfg))
+        if cfg.engram_layer_ids:
+            model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
     else:
         model.init_weights(DEFAULT_SEED)
     return model.to(device=device, dtype=dtype).eval()
