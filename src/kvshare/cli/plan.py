@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,20 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "roles": topo.summary_counts(),
         "layers": [_layer_row(p, layout) for p in topo.layers],
         "layout": layout.to_dict(args.memory, args.max_seqs),
+        "weights": weight_bytes(cfg),
     }
+
+
+def weight_bytes(cfg: Any) -> dict[str, Any]:
+    """Backbone parameters (bf16 bytes as the engine holds them on a GPU) and Engram's bytes in its
+    released dtypes: the tables stay in host memory; `wkv` and the gates are among the parameters."""
+    from kvshare.config_engram import engram_bytes
+    from kvshare.model.hf_naming import released_shapes
+
+    params = sum(math.prod(s) for s in released_shapes(cfg).values())
+    eng = engram_bytes(cfg)
+    return {"params": params, "bf16_bytes": 2 * params, "engram_table_bytes": eng["tables"],
+            "engram_dense_bytes": eng["dense"], "engram_table_placement": "host" if eng["tables"] else None}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -137,6 +151,12 @@ def _print_rich(plan: dict[str, Any]) -> None:
         s.add_row(f"state of {mem['max_seqs']} sequences", _fmt_bytes(mem["state_bytes_total"]))
         s.add_row("blocks (incl. null block)", f"{mem['blocks']:,}")
         s.add_row("tokens that fit", f"{mem['tokens']:,} (without sharing {mem['unshared_tokens']:,})")
+    w = plan["weights"]
+    s.add_row("weights (device, bf16)", f"{_fmt_bytes(w['bf16_bytes'])}: {w['params']:,} parameters")
+    if w["engram_table_bytes"]:
+        s.add_row("Engram tables (host memory)", f"{_fmt_bytes(w['engram_table_bytes'])}: FP8 rows + row scales, "
+                                                 "memory-mapped or in RAM (--engram-table)")
+        s.add_row("Engram wkv + gates (released dtypes)", _fmt_bytes(w["engram_dense_bytes"]))
     console.print(s)
 
     r = Table(title="regions inside one block", title_justify="left")
