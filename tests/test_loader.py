@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvshare.config import ModelConfig, load_config
-from kvshare.errors import CheckpointError, ConfigError
+from kvshare.errors import CheckpointError
 from kvshare.model import weights_quant as wq
 from kvshare.model.hf_naming import kvshare_to_transformers, released_shapes, transformers_to_kvshare
 from kvshare.model.loader import hf_style_config, load_checkpoint, load_model, save_checkpoint
@@ -189,12 +189,6 @@ def test_draft_and_vision_tensors_skipped_with_one_notice(cfg: ModelConfig, tmp_
     assert_same(got, sd)
     notes = [r.getMessage() for r in caplog.records if r.name == "kvshare.model.loader"]
     assert len(notes) == 1 and "2 draft" in notes[0] and "1 vision" in notes[0]
-
-
-def test_engram_config_refused(tmp_path: Path) -> None:
-    cfg = ModelConfig.from_dict({**load_config("tiny-v41").to_dict(), "engram_layer_ids": [1]})
-    with pytest.raises(ConfigError, match="Engram"):
-        load_checkpoint(tmp_path, cfg)
 
 
 def test_transformers_naming_loads(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kvshare.config import ModelConfig, load_config
-from kvshare.errors import ConfigError
 from kvshare.model import DenseCache, Transformer
 from kvshare.runtime import StepBatch, StepState
 from kvshare.shipped import resolve_config_path
@@ -97,7 +96,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float = FP32_LOGIT_ULPS
 # ---- construction tests -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny-v41", "tiny-v41-deep", "tiny-v4", "cand"])
+@pytest.mark.parametrize("name", ["tiny-v41", "tiny-v41-deep", "tiny-v4", "cand", "tiny-v41-engram"])
 def test_state_dict_names_match_released_naming(name: str) -> None:
     from kvshare.model.hf_naming import released_shapes
 
@@ -121,14 +120,6 @@ def test_v41_flash_names_on_meta_device() -> None:
     assert "layers.20.attn.indexer.wk.weight" in sd and "layers.20.attn.compressor.wgate.weight" not in sd
     assert "layers.2.attn.compressor.wgate.weight" in sd and "layers.3.attn.compressor.wkv.weight" not in sd
     assert "hc_head_fn" not in sd and not any(k.startswith("mtp.") for k in sd)
-
-
-def test_engram_config_is_refused() -> None:
-    cfg = load_config("deepseek-v4.1-flash")
-    assert cfg.engram_layer_ids
-    Topology(cfg)  # planning works
-    with pytest.raises(ConfigError, match="engram_layer_ids"):
-        Transformer(cfg)
 
 
 def test_cand_config_roles() -> None:
