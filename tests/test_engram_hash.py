@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer, models
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import ConfigError
 from kvshare.model.engram import lookback_ids
-from kvshare.model.engram_hash import EngramHasher, EngramLayout
+from kvshare.model.engram_hash import EngramHasher, EngramLayout, engram_multipliers
 from kvshare.model.engram_tokens import compressed_token_map
 from kvshare.runtime import StepBatch
 from kvshare.shipped import resolve_config_path
@@ -80,6 +81,18 @@ def test_released_rows_primes_and_multipliers() -> None:
         [76632096046245, 4839876093313, 35959672319349, 73987337458391],
         [67716810739261, 51510806800915, 30921347202721, 82619226485591]]
     assert lay.cols == 24
+    # the formula itself (numpy's generator) reproduces the constants kvshare also ships
+    assert engram_multipliers(cfg.engram_layer_ids, 4, cfg.engram_compressed_vocab_size).tolist() == \
+        lay.multipliers.tolist()
+
+
+def test_released_multipliers_win_over_a_drifted_generator(monkeypatch, caplog) -> None:
+    import kvshare.model.engram_hash as eh
+
+    monkeypatch.setattr(eh, "engram_multipliers", lambda ids, n, c: np.ones((len(ids), n), dtype=np.int64))
+    with caplog.at_level("WARNING", logger="kvshare.model.engram_hash"):
+        lay = EngramLayout.build((1, 14), 4, 8, 16_000_000, 99_092)
+    assert lay.multipliers[1, 0].item() == 67716810739261 and "released constants" in caplog.text
 
 
 def test_byte_tokenizer_map_matches_tiny_config() -> None:

@@ -178,3 +178,11 @@ def test_mmap_table_resident_memory_stays_small(tmp_path: Path) -> None:
           f"{after / 2**20:.1f} MiB (+{(after - before) / 2**20:.1f} MiB); peak RSS {peak / 2**20:.1f} MiB")
     assert torch.equal(got, want.lookup(torch.arange(ids.numel())))
     assert after - before < 64 * 2**20 < size // 64
+
+
+def test_generate_cli_refuses_v41_flash_without_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshare.cli import main
+
+    assert main(["generate", "hello", "--model", "deepseek-v4.1-flash", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "engram_num_embeddings" in err and "checkpoint directory" in err

@@ -17,12 +17,15 @@ column c owns rows ``[offset_c, offset_c + prime_c)``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvshare.config_engram import engram_primes
+
+log = logging.getLogger(__name__)
 
 INT64_MAX = 2**63 - 1
 
@@ -74,7 +77,8 @@ class EngramLayout:
         if compressed_vocab == V41_FLASH_COMPRESSED_VOCAB and max_ngram == 4:
             for i, lid in enumerate(layer_ids):
                 if lid in V41_FLASH_MULTIPLIERS and tuple(mult[i].tolist()) != V41_FLASH_MULTIPLIERS[lid]:
-                    # numpy changed its generator stream: the released constants win.
+                    log.warning("numpy %s does not reproduce the released Engram multipliers of layer %d; "
+                                "using the released constants", np.__version__, lid)
                     mult[i] = torch.tensor(V41_FLASH_MULTIPLIERS[lid], dtype=torch.int64)
         return cls(tuple(layer_ids), max_ngram, n_heads, primes, offsets, mult)
 
