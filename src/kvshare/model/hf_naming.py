@@ -111,6 +111,9 @@ _RULES: tuple[Rule, ...] = (
            "attn.indexer.weights_proj.weight",     "self_attn.compressor.indexer.scorer.weights_proj.weight"),
     _layer("attn.indexer.wk.weight",    None, None, None),  # V4.1 only: transformers 5.23 has no V4.1 model
     _layer("attn.indexer.k_norm.weight", None, None, None),  # V4.1 only
+    _layer("engram.wkv.weight",         None, None, None),  # V4.1 Engram (its tables are read by engram_table.py)
+    _layer("engram.q_weight",           None, None, None),  # V4.1 Engram
+    _layer("engram.k_weight",           None, None, None),  # V4.1 Engram
     _layer("ffn.gate.weight",           "mlp.gate.weight",                       "ffn.gate.weight",              "mlp.gate.weight"),
     _layer("ffn.gate.bias",             "mlp.gate.e_score_correction_bias",      "ffn.gate.bias",                "mlp.gate.e_score_correction_bias"),
     _layer("ffn.gate.tid2eid",          "mlp.gate.tid2eid",                      "ffn.gate.tid2eid",             "mlp.gate.tid2eid"),
