@@ -25,11 +25,9 @@ import torch
 from torch import nn
 
 from kvshare.config import ModelConfig
-from kvshare.errors import ConfigError
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
-from kvshare.model.engram import Engram, lookback_ids
-from kvshare.model.engram_hash import EngramHasher, EngramLayout
+from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
 from kvshare.model.moe import MoE
@@ -88,7 +86,7 @@ class Transformer(nn.Module):
                  tokenizer: object | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.engram_hash = _engram_hasher(cfg, tokenizer) if cfg.engram_layer_ids else None
+        self.engram_hash = engram_hasher(cfg, tokenizer) if cfg.engram_layer_ids else None
         self.engram_lookback = cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
         self.topo = topo if topo is not None else Topology(cfg)
         self.quant = QuantMode.of(quant)
@@ -193,22 +191,3 @@ class Transformer(nn.Module):
                                  f"{n} x {self.cfg.engram_head_dim}")
             self.layers[lid].engram.table = t
 
-
-def _engram_hasher(cfg: ModelConfig, tokenizer: object | None) -> EngramHasher:
-    """The hasher of `cfg` over `tokenizer`'s compressed map (default: the byte tokenizer of the vocab)."""
-    from kvshare.model.engram_tokens import compressed_token_map
-    from kvshare.tokenizer import ByteTokenizer
-
-    if tokenizer is None:
-        if cfg.vocab_size < 256:
-            raise ConfigError(f"an Engram model needs a tokenizer; vocab_size {cfg.vocab_size} has no byte-level one",
-                              field="engram_compressed_vocab_size", fix="pass the model's tokenizer")
-        tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
-    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
-                                cfg.engram_vocab_size, cfg.engram_compressed_vocab_size)
-    try:
-        return EngramHasher(layout, compressed_token_map(tokenizer), cfg.engram_compressed_vocab_size,
-                            cfg.engram_pad_token_id, cfg.vocab_size)
-    except ValueError as e:
-        raise ConfigError(f"{e} (tokenizer: {type(tokenizer).__name__})", field="engram_compressed_vocab_size",
-                          fix="load the model with its own tokenizer.json") from None

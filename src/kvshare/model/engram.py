@@ -22,7 +22,8 @@ codes): training updates ``wkv``, ``q_weight`` and ``k_weight`` only.
 Per-request state: none. A token's look-back ids come from the step's own tokens and, for the
 first N-1 tokens of a chunk, from ``StepBatch.prev_tokens`` (the sequence's committed ids before
 the chunk), so chunked prefill, decode, recompute after preemption, prefix-cache hits and
-speculative verification all hash exactly as one full prefill.
+speculative verification all hash exactly as one full prefill (`lookback_ids`). `engram_hasher`
+builds a config's hasher over the model's tokenizer (its compressed map must have the config's size).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 from torch import nn
 
 from kvshare.config import ModelConfig
+from kvshare.errors import ConfigError
+from kvshare.model.engram_hash import EngramHasher, EngramLayout
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import QuantMode
@@ -103,3 +106,23 @@ def lookback_ids(input_ids: torch.Tensor, batch: StepBatch, n: int) -> tuple[tor
         from_prev = prev[seq.unsqueeze(1).expand(-1, n), (k - back).clamp(0, k - 1)]
         raw = torch.where(before, from_prev, raw)
     return torch.where(valid, raw, torch.zeros_like(raw)), valid
+
+
+def engram_hasher(cfg: ModelConfig, tokenizer: object | None) -> EngramHasher:
+    """The hasher of `cfg` over `tokenizer`'s compressed map (default: the byte tokenizer of the vocab)."""
+    from kvshare.model.engram_tokens import compressed_token_map
+    from kvshare.tokenizer import ByteTokenizer
+
+    if tokenizer is None:
+        if cfg.vocab_size < 256:
+            raise ConfigError(f"an Engram model needs a tokenizer; vocab_size {cfg.vocab_size} has no byte-level one",
+                              field="engram_compressed_vocab_size", fix="pass the model's tokenizer")
+        tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                cfg.engram_vocab_size, cfg.engram_compressed_vocab_size)
+    try:
+        return EngramHasher(layout, compressed_token_map(tokenizer), cfg.engram_compressed_vocab_size,
+                            cfg.engram_pad_token_id, cfg.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"{e} (tokenizer: {type(tokenizer).__name__})", field="engram_compressed_vocab_size",
+                          fix="load the model with its own tokenizer.json") from None
