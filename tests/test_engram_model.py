@@ -187,3 +187,17 @@ def test_training_reaches_engram_parameters() -> None:
         for p in (eng.wkv.weight, eng.q_weight, eng.k_weight):
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0
     assert np.array_equal(model.layers[1].engram.table.codes, before)
+
+
+def test_table_lookup_decodes_every_code_byte() -> None:
+    """Every e4m3 byte (NaN codes 0x7f / 0xff excluded) and a spread of e8m0 scale bytes, by hand."""
+    from kvshare.model.engram_table import EngramTable
+
+    codes = np.array([0 if b & 0x7F == 0x7F else b for b in range(256)], dtype=np.uint8).reshape(4, 64)
+    scales = np.array([[100, 127], [131, 150], [127, 90], [140, 127]], dtype=np.uint8)
+    table = EngramTable(codes, scales, "memory")
+    rows = torch.tensor([[3, 0], [1, 2]])
+    got = table.lookup(rows, torch.float64).numpy()
+    for i, r in enumerate(rows.flatten().tolist()):
+        want = (e4m3_by_hand(codes[r]).reshape(2, 32) * 2.0 ** (scales[r].astype(np.int64) - 127)[:, None])
+        assert np.array_equal(got.reshape(4, 64)[i], want.reshape(-1))

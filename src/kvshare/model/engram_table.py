@@ -38,6 +38,10 @@ TABLE_MODES = ("mmap", "memory")
 DEFAULT_TABLE_MODE: TableMode = "mmap"
 ROW_BLOCK = 32
 _DTYPES = {"F8_E4M3": "e4m3", "F8_E8M0": "e8m0"}
+# Every byte's value: e4m3 codes through torch's float8 cast, e8m0 scales 2^(byte - 127) (255 is NaN).
+# Decoding by table lookup is exact and ~10x faster than casting float8 tensors on the CPU.
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+_E8M0 = np.where(np.arange(256) == 255, np.nan, np.ldexp(1.0, np.arange(256) - 127)).astype(np.float32)
 
 
 def table_names(layer: int) -> tuple[str, str]:
@@ -75,10 +79,9 @@ class EngramTable:
         flat = ids.reshape(-1).to("cpu", torch.int64).numpy()
         if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
             raise IndexError(f"Engram row id outside the table (rows {self.rows})")
-        codes = torch.from_numpy(np.take(self.codes, flat, axis=0)).view(torch.float8_e4m3fn)
-        exps = torch.from_numpy(np.take(self.scales, flat, axis=0)).to(torch.int32) - 127
-        blocks = codes.to(torch.float32).view(flat.size, -1, ROW_BLOCK)
-        rows = torch.ldexp(blocks, exps.unsqueeze(-1))
+        codes = _E4M3[np.take(self.codes, flat, axis=0)].reshape(flat.size, -1, ROW_BLOCK)
+        scales = _E8M0[np.take(self.scales, flat, axis=0)]
+        rows = torch.from_numpy(codes * scales[:, :, None])
         return rows.view(*ids.shape, self.dim).to(dtype)
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
