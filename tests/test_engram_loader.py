@@ -146,7 +146,7 @@ def _rss_bytes() -> int:
 def test_mmap_table_resident_memory_stays_small(tmp_path: Path) -> None:
     """A 6 GiB table (sparse file, real rows written where they are read) opens and serves lookups
     with resident memory far below its size. Measured: table 5.90 GiB; RSS 282.2 MiB before,
-    316.5 MiB after opening it and looking up 4,096 random rows (+34.3 MiB: one 4 KiB page per row
+    316.5 MiB after opening it and looking up 4,096 random rows (+34.3 MiB; +34.6 MiB in a second run: one 4 KiB page per row
     of codes and of scales, 8,192 pages = 32 MiB)."""
     rows, dim = 24_000_000, 256
     header = {"layers.1.engram.embed.weight": {"dtype": "F8_E4M3", "shape": [rows, dim], "data_offsets": [0, rows * dim]},
