@@ -165,6 +165,7 @@ def test_hf_and_inference_config_names() -> None:
     ({"engram_head_dim": 48}, "engram_head_dim"),
     ({"engram_compressed_vocab_size": 0}, "engram_compressed_vocab_size"),
     ({"engram_pad_token_id": 256}, "engram_pad_token_id"),
+    ({"engram_n_heads": 10**6}, "engram_n_heads"),  # refused before a long prime search
 ])
 def test_validation_names_the_field(change: dict, field: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from kvshare.config import ModelConfig
 
 ROW_SCALE_BLOCK = 32
+MAX_HASH_COLUMNS = 1 << 16  # primes searched at config time; the release has 48
+MAX_BUCKET_START = 1 << 40  # bucket ids stay far inside int64
 
 
 def is_prime(n: int) -> bool:
@@ -96,6 +98,12 @@ def validate_engram(cfg: ModelConfig) -> None:
     for name, ok, rule in checks:
         if not ok:
             raise ConfigError(f"{rule}, got {getattr(cfg, name)!r}", field=name, fix="set it as the model's config.json does")
+    n_primes = len(ids) * (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    if n_primes > MAX_HASH_COLUMNS or cfg.engram_vocab_size > MAX_BUCKET_START or cfg.engram_head_dim > 4096:
+        raise ConfigError(f"{n_primes:,} hash columns of {cfg.engram_head_dim} from {cfg.engram_vocab_size:,} are far "
+                          "beyond any real model (V4.1-Flash: 48 columns of 256 from 16,000,000)",
+                          field="engram_n_heads", fix="check engram_n_heads, engram_max_ngram_size, "
+                                                     "engram_head_dim and engram_vocab_size")
     primes = engram_primes(ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size)
     for lid, rows, per_layer in zip(ids, cfg.engram_num_embeddings, primes):
         need = sum(sum(p) for p in per_layer)
