@@ -51,6 +51,7 @@ _REFERENCE_ALIASES = {
     "candidate_source_layer": "candidate_source_layer_id",
     "max_seq_len": "max_position_embeddings",
     "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 
 
@@ -116,6 +117,12 @@ class ModelConfig:
     engram_head_dim: int = 0
     engram_pad_token_id: int = 0
     engram_compressed_vocab_size: int = 0
+    dspark_block_size: int = 0  # DSpark (spec engram_dspark.md §2.1): query positions per draft block
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0  # 0: the backbone's count
+    dspark_num_experts_per_tok: int = 0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
@@ -154,6 +161,7 @@ class ModelConfig:
             for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
                       "engram_layer_ids", "engram_num_embeddings", "eos_token_ids"):
                 d[k] = tuple(d[k])
+            d["dspark_target_layer_ids"] = tuple(d.get("dspark_target_layer_ids", ()))
             if d.get("index_k_source_layer_ids") is not None:
                 d["index_k_source_layer_ids"] = tuple(d["index_k_source_layer_ids"])
             return cls(**d)
@@ -293,6 +301,16 @@ def _engram_fields(raw: dict[str, Any]) -> dict[str, Any]:
                  "engram_pad_token_id", "engram_compressed_vocab_size"):
         out[name] = _req(raw, name) if raw.get(name) is not None else 0
     return out
+def _dspark_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The DSpark fields of a V4.1 config (absent: 0 / empty, i.e. no DSpark)."""
+    return {
+        "dspark_block_size": int(raw.get("dspark_block_size", 0) or 0),
+        "dspark_noise_token_id": int(raw.get("dspark_noise_token_id", 0) or 0),
+        "dspark_target_layer_ids": _int_list(raw, "dspark_target_layer_ids"),
+        "dspark_markov_rank": int(raw.get("dspark_markov_rank", 0) or 0),
+        "dspark_n_routed_experts": int(raw.get("dspark_n_routed_experts", 0) or 0),
+        "dspark_num_experts_per_tok": int(raw.get("dspark_num_experts_per_tok", 0) or 0),
+    }
 
 
 def _parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
@@ -376,6 +394,7 @@ def _parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
         candidate_block_size=int(raw.get("candidate_block_size", 0) or 0),
         engram_layer_ids=engram,
         **_engram_fields(raw),
+        **_dspark_fields(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=_eos(raw),

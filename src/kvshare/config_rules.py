@@ -81,3 +81,28 @@ def validate_config(cfg: ModelConfig) -> None:
     if cfg.yarn is not None and (cfg.yarn.factor <= 0 or math.isnan(cfg.yarn.factor)):
         raise ConfigError("yarn factor must be positive", field="rope_scaling")
     validate_engram(cfg)
+    validate_dspark(cfg)
+
+
+def validate_dspark(cfg: ModelConfig) -> None:
+    """DSpark fields (spec engram_dspark.md §2.1), checked when the config has draft stages and a block size."""
+    if cfg.num_nextn_predict_layers <= 0 or cfg.dspark_block_size <= 0:
+        return
+    if cfg.arch != "v41":
+        raise ConfigError("DSpark draft stages are a V4.1 feature", field="dspark_block_size")
+    _positive(cfg, "dspark_markov_rank")
+    targets = cfg.dspark_target_layer_ids
+    if not targets:
+        raise ConfigError("is empty; DSpark taps at least one backbone layer", field="dspark_target_layer_ids")
+    for t in targets:
+        if not 0 <= t < cfg.num_hidden_layers:
+            raise ConfigError(f"layer {t} is not a backbone layer (0..{cfg.num_hidden_layers - 1})",
+                              field="dspark_target_layer_ids", layer=t)
+    if not 0 <= cfg.dspark_noise_token_id < cfg.vocab_size:
+        raise ConfigError(f"{cfg.dspark_noise_token_id} is not a token id in [0, {cfg.vocab_size})",
+                          field="dspark_noise_token_id")
+    n_exp = cfg.dspark_n_routed_experts or cfg.n_routed_experts
+    k = cfg.dspark_num_experts_per_tok or cfg.num_experts_per_tok
+    if not 1 <= k <= n_exp:
+        raise ConfigError(f"{k} is not in [1, {n_exp}] (the stage's routed experts)",
+                          field="dspark_num_experts_per_tok")

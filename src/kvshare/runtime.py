@@ -111,6 +111,9 @@ class StepState:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     candidate_source: int | None = None
+    # DSpark taps: keys are the layers whose input stream to record (set by the caller before the
+    # forward); the model fills each with the [T, D] mean over the mHC copies entering that layer.
+    taps: dict[int, torch.Tensor | None] | None = None
 
     def publish_topk(self, layer: int, idx: torch.Tensor) -> None:
         self.topk[layer] = idx

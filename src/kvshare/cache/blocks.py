@@ -149,6 +149,15 @@ class BlockManager:
         self.tables[slot, len(ids):len(ids) + n] = torch.tensor(new, dtype=torch.int64).to(self.tables.device)
         ids.extend(new)
 
+    def shrink(self, slot: int, num_tokens: int) -> None:
+        """Free the slot's blocks past those holding `num_tokens` positions (speculative rollback)."""
+        ids = self.block_ids[slot]
+        keep = self.blocks_needed(num_tokens)
+        if len(ids) > keep:
+            self.allocator.free(ids[keep:])
+            self.tables[slot, keep:len(ids)] = 0
+            del ids[keep:]
+
     def release(self, slot: int) -> None:
         """Free the slot's blocks and the slot itself (finish, abort or preemption)."""
         ids = self.block_ids.pop(slot)

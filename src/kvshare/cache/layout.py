@@ -10,13 +10,14 @@ or unshared; `reads_region` / `write_regions` turn its answers into Regions. Exa
 
 Per-sequence state lives outside the blocks: a sliding-window ring of W (+ slack) rows for every
 layer, draft layers included; for every owner with ratio > 1 an fp32 (kv, score) compressor ring
-of ``coff * ratio`` rows of width ``coff * head_dim`` (coff = 2 for V4 ratio 4, else 1); for V4
+of ``coff * ratio`` (+ slack) rows of width ``coff * head_dim`` (coff = 2 for V4 ratio 4, else 1); for V4
 ratio-4 layers also an indexer-compressor ring of width ``coff * index_head_dim``.
 
 Invariants (checked on construction, tested): regions are disjoint, aligned, inside the block
 and in layer order; ``bytes_per_block`` equals the end of the last region; only owners have
 regions; ``block_size % ratio == 0`` for every ratio in use. All sizes are Python ints (no
-overflow). Consumers of these numbers must compute byte offsets in int64: ``block_id *
+overflow). Slack rows (speculative decoding: one per draft token) let a verify step write
+rejected positions without overwriting rows a later step still reads. Consumers of these numbers must compute byte offsets in int64: ``block_id *
 bytes_per_block`` passes 2^32 at ~37.7k blocks of 113,920 B.
 """
 
@@ -100,6 +101,7 @@ class CacheLayout:
         state_dtype_bytes: int = 4,
         window_slack: int = 0,
         share_cache: bool | None = None,
+        state_slack: int = 0,
     ) -> None:
         """`share_cache` None takes the Topology's mode."""
         cfg = topo.cfg
@@ -108,7 +110,8 @@ class CacheLayout:
         self.share_cache = topo.share_cache if share_cache is None else bool(share_cache)
         self.regions_map = RegionMap(topo, self.share_cache)
         for name, v, lo in (("block_size", block_size, 1), ("alignment", alignment, 1),
-                            ("state_dtype_bytes", state_dtype_bytes, 1), ("window_slack", window_slack, 0)):
+                            ("state_dtype_bytes", state_dtype_bytes, 1), ("window_slack", window_slack, 0),
+                            ("state_slack", state_slack, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ConfigError(f"must be an integer >= {lo}, got {v!r}", field=name)
         for r in topo.ratios_in_use:
@@ -121,6 +124,7 @@ class CacheLayout:
         self.alignment = alignment
         self.state_dtype_bytes = state_dtype_bytes
         self.window_slack = window_slack
+        self.state_slack = state_slack
         self.kv_format = _fmt("kv", kv_format, cfg)
         self.index_format = _fmt("index_k", index_format, cfg)
         self.window_format = _fmt("window", window_format, cfg)
@@ -190,10 +194,11 @@ class CacheLayout:
             coff = 2 if (cfg.arch == "v4" and p.ratio == 4) else 1
             if p.needs_compressor_state:
                 width = coff * cfg.head_dim
-                out.append(StateSpec(p.layer, "compressor", coff * p.ratio, width, width * sb, 2))
+                out.append(StateSpec(p.layer, "compressor", coff * p.ratio + self.state_slack, width, width * sb, 2))
             if p.needs_indexer_state:
                 width = coff * cfg.index_head_dim
-                out.append(StateSpec(p.layer, "indexer_compressor", coff * p.ratio, width, width * sb, 2))
+                out.append(StateSpec(p.layer, "indexer_compressor", coff * p.ratio + self.state_slack, width,
+                                     width * sb, 2))
         return tuple(out)
 
     def state_bytes(self, name: str | None = None, *, backbone_only: bool = False) -> int:
@@ -236,7 +241,8 @@ class CacheLayout:
         if not self.share_cache:
             return self
         return CacheLayout(self.topo, self.block_size, self.kv_format, self.index_format, self.window_format,
-                           self.alignment, self.state_dtype_bytes, self.window_slack, share_cache=False)
+                           self.alignment, self.state_dtype_bytes, self.window_slack, share_cache=False,
+                           state_slack=self.state_slack)
 
     def unshared(self) -> "CacheLayout":
         return self.unshared_layout

@@ -5,8 +5,8 @@ or per sequence.
 
 * ``history``: for each requested row (position p of sequence i) the window ``p-depth+1 .. p``;
   positions ``>= starts[i]`` come from this step's values, earlier ones from slot ``slots[i]``'s
-  ring at ``q % depth``; ``q < 0`` is invalid (zeros, mask False). The ring update (the last
-  ``depth`` positions of each sequence) is deferred to ``end_step`` (or the next step), so several
+  ring at ``q % rows`` (rows = depth + the layout's slack); ``q < 0`` is invalid (zeros, mask False).
+  The ring update (the last ``rows`` positions of each sequence) is deferred to ``end_step`` (or the next step), so several
   calls for one (name, layer) in a step all read the pre-step ring.
 * compressed rows: row j of sequence i with ratio r is at block ``block_tables[i, (j*r)//B]``,
   row ``((j*r) % B)//r`` (``blocks.compressed_row_address``). Invalid entries (j < 0, or past the
@@ -27,7 +27,7 @@ from kvshare.runtime import StepBatch
 
 
 def _pack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
-    return x.float() if fmt is None else fmt.pack(x)
+    return x if fmt is None else fmt.pack(x)  # state rows: the caller casts to the ring's dtype
 
 
 def _unpack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +61,7 @@ class PagedBackend:
                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self._begin(batch)
         ring, fmt = self.pool.ring(name, layer, depth, values.shape[-1])
+        phys = ring.shape[1]  # >= depth: slack rows keep rejected speculative rows off live ones
         t_all = values.shape[0]
         if rows is None:
             rows = torch.arange(t_all, device=values.device)
@@ -73,16 +74,16 @@ class PagedBackend:
         step_row = (batch.cu_seqlens[seq][:, None] + q - start).clamp(0, max(t_all - 1, 0))
         # Unpack each sequence's ring once ([N, depth, w]), then index it per requested row.
         rings = _unpack(fmt, ring.index_select(0, batch.slots)).to(values.dtype)
-        stored = rings[seq[:, None].expand_as(q), q.remainder(depth)]
+        stored = rings[seq[:, None].expand_as(q), q.remainder(phys)]
         out = torch.where(in_step[..., None], values[step_row], stored)
         out = out.masked_fill(~valid[..., None], 0)
         key = (name, layer)
         if key not in self._pending_keys:
             self._pending_keys.add(key)
-            keep = batch.positions >= (batch.ends - depth)[batch.seq_index]
+            keep = batch.positions >= (batch.ends - phys)[batch.seq_index]
             idx = keep.nonzero().squeeze(1)
             self._pending.append((ring, fmt, values[idx], batch.slots[batch.seq_index[idx]],
-                                  batch.positions[idx], depth))
+                                  batch.positions[idx], phys))
         return out, valid
 
     # ---- compressed rows ------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ class BlockPool:
 
     # ---- per-slot rings --------------------------------------------------------------------------
     def ring(self, name: str, layer: int, depth: int, width: int) -> tuple[torch.Tensor, RowFormat | None]:
-        """The ring (name, layer) planned by the layout: window rings hold packed rows, state rings fp32."""
+        """The ring (name, layer) planned by the layout: window rings hold packed rows, state rings fp32
+        (or the layout's state dtype). ``rows >= depth``: the layout's slack rows (speculation) come on top."""
         key = (name, layer)
         r = self.rings.get(key)
         if r is None:
@@ -112,7 +113,7 @@ class BlockPool:
                            f"{sorted(k for k in self.rings if k[1] == layer)})")
         fmt = self.ring_formats[key]
         cols = fmt.dim if fmt is not None else r.shape[2]
-        if r.shape[1] != depth or cols != width:
+        if r.shape[1] < depth or cols != width:
             raise ValueError(f"ring {name!r} of layer {layer} holds [{r.shape[1]}, {cols}] rows, "
                              f"asked for [{depth}, {width}]")
         return r, fmt

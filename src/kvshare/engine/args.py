@@ -43,6 +43,7 @@ class EngineArgs:
     seed: int | None = None
     chunked_prefill: bool = True
     engram_table: str = "mmap"
+    speculative_config: dict | str | None = None  # {"method": "dspark", "num_speculative_tokens": 5}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -95,7 +96,19 @@ def build_layout(cfg: ModelConfig, args: EngineArgs, cache_quant: bool, index_qu
         ik = None if index_quant else plain
         if args.kv_format not in (None, "auto"):
             kv = args.kv_format
-    return CacheLayout(topo, bs, kv_format=kv, index_format=ik, window_format=win)
+    slack = speculative_slack(cfg, args)
+    wide = 8 if dtype == torch.float64 else 4  # compressor states "fp32 or wider", like the model's steps
+    return CacheLayout(topo, bs, kv_format=kv, index_format=ik, window_format=win, state_dtype_bytes=wide,
+                       window_slack=slack, state_slack=slack)
+
+
+def speculative_slack(cfg: ModelConfig, args: EngineArgs) -> int:
+    """Ring rows a verify step needs on top of each window / compressor depth: one per draft token
+    (spec engram_dspark.md §2.8); 0 without speculation."""
+    from kvshare.engine.spec_config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    return 0 if spec is None else spec.num_tokens(cfg)
 
 
 def pool_blocks(layout: CacheLayout, args: EngineArgs, model_len: int) -> int:

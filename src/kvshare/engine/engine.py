@@ -70,6 +70,12 @@ class LLMEngine:
         self._order = itertools.count()
         self._stats = EngineStats(num_blocks_total=self.blocks.allocator.num_usable,
                                   bytes_per_block=self.layout.bytes_per_block)
+        self.speculator = None
+        if args.speculative_config is not None:
+            from kvshare.engine.speculative import Speculator
+            from kvshare.engine.spec_config import SpeculativeConfig
+
+            self.speculator = Speculator(self, SpeculativeConfig.parse(args.speculative_config))
 
     def _reset_slot(self, slot: int) -> None:
         """A recycled request slot starts with zeroed rings (spec/cache.md §9.6)."""
@@ -84,7 +90,8 @@ class LLMEngine:
             self.dtype = resolve_dtype(args.dtype, self.device)
             quant = True if args.quantize is None else args.quantize
             return load_model(model or "kvshare-mini-v41", dtype=self.dtype, device=self.device, quant=quant,
-                              engram_table=args.engram_table)
+                              engram_table=args.engram_table,
+                              draft=args.speculative_config is not None)
         p = next(model.parameters())
         self.device = resolve_device(args.device) if args.device is not None else p.device
         self.dtype = resolve_dtype(args.dtype, self.device) if args.dtype is not None else p.dtype
@@ -144,6 +151,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        if self.speculator is not None:  # DSpark: draft, verify and commit (engine/speculative.py)
+            return outputs + self.speculator.step(sched)
         run = run_isolated(self.runner.run, sched.chunks, self._suspects)
         for seq, err in run.failed:
             self._fail(seq, err, outputs)

@@ -28,20 +28,22 @@ class ModelRunner:
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepBatch, list[int]]:
         """(input_ids [T], batch, indices of the chunks that sample)."""
         starts = [c.start for c in chunks]
-        lens = [c.length for c in chunks]
+        lens = [c.length + len(c.draft) for c in chunks]
         slots = [c.seq.slot for c in chunks]
-        ids = list(itertools.chain.from_iterable(c.seq.token_slice(c.start, c.start + c.length) for c in chunks))
+        ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.blocks.tables.device)
         ncols = max(1, self.blocks.blocks_needed(max(s + n for s, n in zip(starts, lens))))
         tables = self.blocks.tables[:, :ncols].index_select(0, slot_t).to(self.device)
-        # Logits only for the last row of each sequence (cheap), sampling rows picked after.
+        # Logits only for the last row of each sequence (cheap), sampling rows picked after; a chunk
+        # with drafts also for the rows that verify them.
         ends = list(itertools.accumulate(lens))
         back = getattr(self.model, "engram_lookback", 0)  # Engram hashes need the ids before each chunk
         prev = [c.seq.token_slice(max(0, c.start - back), c.start) for c in chunks] if back else None
-        batch = StepBatch.build(starts, lens, slots, block_tables=tables,
-                                logit_rows=[e - 1 for e in ends], device=self.device, prev_tokens=prev)
+        rows = [r for e, c in zip(ends, chunks) for r in range(e - 1 - len(c.draft), e)]
+        batch = StepBatch.build(starts, lens, slots, block_tables=tables, logit_rows=rows, device=self.device,
+                                prev_tokens=prev)
         return input_ids, batch, sampling
 
     @torch.inference_mode()

@@ -30,14 +30,22 @@ from kvshare.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
+    """Tokens ``[start, start + length)`` of `seq`, then `draft` (speculative tokens to verify, not
+    part of the sequence; ``length`` does not count them)."""
+
     seq: Sequence
     start: int
     length: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token (and so yields a new token)."""
         return self.start + self.length == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_slice(self.start, self.start + self.length) + self.draft
 
 
 @dataclass

@@ -79,10 +79,14 @@ class Attention(nn.Module):
             win_valid = torch.cat([win_valid, comp_valid], dim=1)
 
         o = sparse_attention(q, win, win_valid, self.attn_sink, self.head_dim**-0.5)
+        return self.project_out(o, pos, rope)
+
+    def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
+        """Inverse RoPE at the query positions, then grouped ``wo_a`` and ``wo_b`` ([T, H, d] -> [T, D])."""
         o = rope.rotate(o, pos, inverse=True)
         g = self.cfg.o_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
-        u = torch.einsum("tgi,goi->tgo", o.reshape(t, g, -1), wo_a).flatten(1)
+        u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], g, -1), wo_a).flatten(1)
         return self.wo_b(u)
 
     def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

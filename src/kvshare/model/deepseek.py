@@ -8,7 +8,9 @@ Cross-layer hand-offs live in a fresh `StepState` per forward.
 Parameter names equal DeepSeek's released checkpoint names (`embed.weight`, `layers.{L}.attn.*`,
 `layers.{L}.ffn.*`, `layers.{L}.{attn_norm,ffn_norm}.weight`, `layers.{L}.hc_{attn,ffn}_{fn,base,scale}`,
 `norm.weight`, `head.weight`, V4 `hc_head_{fn,base,scale}`, V4.1 `layers.{L}.engram.{wkv.weight,
-q_weight,k_weight}`). Draft (MTP / DSpark) layers are not built.
+q_weight,k_weight}`). Draft (MTP / DSpark) layers are not
+built here (`model/dspark.py` attaches DSpark stages as ``mtp``; a target layer's input stream,
+after its Engram, is recorded into ``StepState.taps``).
 
 Engram (V4.1, `model/engram.py`): the row ids of every Engram layer are hashed once per forward
 (before the embedding) from the step's tokens and ``batch.prev_tokens``; block L adds its Engram
@@ -34,6 +36,7 @@ from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
+from kvshare.precision import wide
 from kvshare.runtime import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
 
@@ -116,7 +119,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
                 state: StepState | None = None) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) for R = batch.logit_rows, or every token row.
+        """Logits [R, vocab] (fp32, or float64 in a float64 model) for R = batch.logit_rows, or every token row.
 
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
@@ -129,7 +132,9 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = identity_pre(h.shape[0], cfg.hc_mult, h.device) if cfg.arch == "v41" else None
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
+            if state.taps is not None and i in state.taps:  # DSpark: the stream entering layer i
+                state.taps[i] = h.mean(dim=1)
             h, pre = block(h, pre, ctx)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
@@ -137,7 +142,7 @@ class Transformer(nn.Module):
         if cfg.arch == "v4":
             pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                               rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
-        return self.head(self.norm(hc_collapse(h, pre))).float()
+        return wide(self.head(self.norm(hc_collapse(h, pre))))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> "Transformer":

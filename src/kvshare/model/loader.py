@@ -9,7 +9,8 @@
   from ``quantization_config.weight_block_size``), int8 / uint8 / ``float4_e2m1fn_x2`` weights as
   packed FP4 (layout in `weights_quant`). Tensors without a scale are returned as stored.
   Draft (``mtp.*``, or backbone-style layers past ``num_hidden_layers``) and vision tensors are
-  skipped with one logged warning; missing, unexpected or mis-shaped tensors raise CheckpointError.
+  skipped with one logged warning (unless the DSpark stages are asked for, ``draft=True``);
+  missing, unexpected or mis-shaped tensors raise CheckpointError.
   Engram tables (``layers.L.engram.embed.{weight,scale}``) are never read here: their headers are
   checked, and `load_model` memory-maps them (or reads them into RAM, ``engram_table="memory"``).
 * `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
@@ -155,16 +156,23 @@ def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
-def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Read a checkpoint into a released-naming state dict checked against `cfg` (see module doc)."""
+def load_checkpoint(path: str | Path, cfg: ModelConfig, draft: bool = False) -> dict[str, torch.Tensor]:
+    """Read a checkpoint into a released-naming state dict checked against `cfg` (see module doc).
+
+    `draft`: keep the ``mtp.*`` (DSpark) tensors too, dropping their unused ``gate.bias_vl``; they
+    are checked against the model by `load_model`."""
     files = checkpoint_files(path)
     raw = _read_all(files)
     engram_tables(files, cfg, "mmap")  # names, dtypes and shapes of the Engram tables
     skipped = {"draft": 0, "vision": 0}
     kept: dict[str, torch.Tensor] = {}
+    drafts: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         kind = _skip_kind(name, cfg)
-        if kind is None:
+        if draft and kind is not None and name.startswith("mtp."):
+            if not name.endswith(".bias_vl"):  # drafts are text: no VL bias (spec engram_dspark.md §2.2)
+                drafts[name] = t
+        elif kind is None:
             kept[name] = t
         else:
             skipped[kind] += 1
@@ -175,6 +183,11 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
     if cfg.tie_word_embeddings and "head.weight" not in state and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
     check_state_dict(state, released_shapes(cfg))
+    if draft:
+        if not drafts:
+            raise CheckpointError(f"checkpoint {path} has no mtp.* (DSpark draft) tensors; speculative_config "
+                                  "method 'dspark' needs them (drop speculative_config for this model)")
+        state.update(_dequantize(drafts, cfg))
     return state
 
 
@@ -313,8 +326,17 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
             own[name].copy_(t)
 
 
+def _check_draft(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """CheckpointError for a missing, unexpected or mis-shaped ``mtp.*`` tensor (spec §2.9)."""
+    from kvshare.model.dspark import dspark_shapes
+
+    expected = dspark_shapes(model)  # type: ignore[arg-type]
+    check_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")}, expected)
+
+
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant: "bool | QuantMode" = True, engram_table: TableMode = DEFAULT_TABLE_MODE) -> "Transformer":
+               quant: "bool | QuantMode" = True, engram_table: TableMode = DEFAULT_TABLE_MODE,
+               draft: bool = False) -> "Transformer":
     """Build a `Transformer` from a checkpoint directory, a config file, or a shipped config name.
 
     With weights next to the config they are loaded; otherwise the model is randomly initialised
@@ -345,8 +367,15 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
         check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg))
     model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
+    if draft:  # DSpark stages as model.mtp (speculative decoding)
+        from kvshare.model.dspark import attach_dspark
+
+        attach_dspark(model)
     if with_weights:
-        load_state_into(model, load_checkpoint(weights_dir, cfg))
+        state = load_checkpoint(weights_dir, cfg, draft=draft)
+        if draft:
+            _check_draft(model, state)
+        load_state_into(model, state)
         if cfg.engram_layer_ids:
             model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
     else:

@@ -1,0 +1,199 @@
+"""DSpark speculative decoding inside the continuous-batching engine (spec engram_dspark.md §2.10).
+
+One ``step(sched)`` replaces the engine's forward + sample for every scheduled chunk:
+
+1. **Propose.** Decode chunks (one uncomputed token, the anchor, already generated) of requests
+   that may speculate get up to K drafts: one batched draft forward of all their blocks, then the
+   Markov loop (K sequential positions, batched over sequences). A request speculates unless it
+   uses penalties (they depend on every earlier token) or has < 2 tokens left to generate. Each
+   gets blocks for positions a .. a+K_i; K_i shrinks to what the pool, the step's token budget and
+   max_model_len allow (0: it decodes plainly in the same step).
+2. **Verify.** One target forward over every chunk, drafts appended to their chunk; taps at the
+   DSpark target layers are recorded for every row.
+3. **Accept** (`spec_accept.verify`): greedy or rejection sampling; other sampling chunks sample
+   normally.
+4. **Commit** only ``anchor + accepted drafts`` (plus whole prefill chunks): ``num_computed``
+   advances by them, the draft windows get their context rows, blocks past the committed tokens are
+   freed; the accepted drafts and the bonus are appended one by one (stop rules apply per token);
+   the bonus is the next anchor.
+
+Rollback that loses nothing: the target's window and compressor rings have one slack row per
+draft (the layout's ``window_slack`` / ``state_slack``), so the rows written for rejected
+positions a+k+1 .. a+K land on ring rows of positions <= a - depth, which no later step reads,
+while every committed row a later step reads is written; rejected compressed rows are rewritten
+before any query can select them (a query reads only completed groups). Draft windows are
+written for committed positions only. Per-request state of other features advances through the
+``on_commit`` hooks, called with the committed token count of every chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from kvshare.engine.outputs import RequestOutput
+from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvshare.engine.sequence import Sequence
+from kvshare.engine.spec_accept import draft_choice, verify
+from kvshare.engine.spec_config import SpeculativeConfig
+from kvshare.model.dspark import DSparkDraft
+from kvshare.runtime import StepState
+
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+class Speculator:
+    """Drafts, verifies and commits for one LLMEngine (built when speculative_config is set)."""
+
+    def __init__(self, engine: Any, config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.k = config.num_tokens(engine.cfg)
+        self.draft = DSparkDraft(engine.model)
+        self.windows = self.draft.windows(engine.backend)
+        # Test / benchmark hook: (sequence, K) -> K draft tokens replacing the DSpark proposal.
+        self.draft_override: Callable[[Sequence, int], list[int]] | None = None
+        # Per-request state of other features (e.g. n-gram history): (sequences, committed counts).
+        self.on_commit: list[Callable[[list[Sequence], list[int]], None]] = []
+        self.record_logits: dict[str, torch.Tensor] | None = None  # test hook: the row behind each anchor
+        self.acceptance_counts = [0] * (self.k + 1)  # verifies that accepted j drafts, j = 0..K
+
+    # ---- 1. propose -------------------------------------------------------------------------------
+    @staticmethod
+    def _is_decode(c: ScheduledChunk) -> bool:
+        return c.samples and c.length == 1 and c.start >= len(c.seq.prompt_token_ids)
+
+    def _may_speculate(self, c: ScheduledChunk) -> bool:
+        p = c.seq.params
+        if not self._is_decode(c):
+            return False
+        return all(getattr(p, a, _PENALTY_OFF[a]) == _PENALTY_OFF[a] for a in _PENALTIES)
+
+    def _budget(self, chunks: list[ScheduledChunk], sched: SchedulerOutput) -> list[tuple[int, int]]:
+        """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks."""
+        eng = self.engine
+        blocks, left = eng.blocks, eng.scheduler.max_num_batched_tokens - sched.num_tokens
+        out = []
+        for i, c in enumerate(chunks):
+            if left <= 0 or not self._may_speculate(c):
+                continue
+            seq = c.seq
+            n = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, left,
+                    eng.max_model_len - seq.num_tokens)
+            have = len(blocks.block_ids[seq.slot])
+            n = min(n, (have + blocks.allocator.num_free) * blocks.block_size - seq.num_tokens)
+            if n >= 1:
+                blocks.grow(seq.slot, seq.num_tokens + n)
+                out.append((i, n))
+                left -= n
+        return out
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Drafts per sequence (K_i each) and their distributions q [N, K, V] (None: deterministic)."""
+        if self.draft_override is not None:
+            return [list(self.draft_override(s, k))[:k] for s, k in zip(seqs, ks)], None
+        dev = self.engine.device
+        anchors = torch.tensor([s.output_token_ids[-1] for s in seqs], device=dev)
+        pos = torch.tensor([s.num_computed for s in seqs], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        u, x_head = self.draft.block_forward(self.windows, anchors, pos, slots)
+        params, ids = [s.params for s in seqs], [s.request_id for s in seqs]
+        prev, toks, qs, conf = anchors, [], [], []
+        for j in range(max(ks)):  # the Markov loop: sequential in j, batched over sequences
+            bias, m = self.draft.markov_bias(prev)
+            conf.append(self.draft.confidence(x_head[:, j], m))
+            prev, q = draft_choice(u[:, j] + bias, params, ids, self.engine.sampler)
+            toks.append(prev)
+            qs.append(q)
+        self._confidence = torch.stack(conf, 1)
+        drafts = torch.stack(toks, 1).tolist()
+        q_all = None if any(q is None for q in qs) else torch.stack(qs, 1)  # type: ignore[misc]
+        return [d[:k] for d, k in zip(drafts, ks)], q_all
+
+    # ---- 2-4. verify and commit -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        eng = self.engine
+        chunks = sched.chunks
+        picked = self._budget(chunks, sched)
+        q = None
+        if picked:
+            drafts, q = self._propose([chunks[i].seq for i, _ in picked], [k for _, k in picked])
+            for (i, _), d in zip(picked, drafts):
+                chunks[i].draft = d
+        input_ids, batch, _ = eng.runner.build_batch(chunks)
+        state = StepState(taps={t: None for t in self.draft.targets})
+        try:
+            logits = eng.model(input_ids, batch, eng.backend, state)
+        finally:
+            eng.backend.end_step()
+        main_x = self.draft.main_x(state.taps)
+        ends = torch.cumsum(torch.tensor([1 + len(c.draft) for c in chunks]), 0).tolist()
+        committed = [c.length for c in chunks]
+        new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]] = {}
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+
+        plain = [i for i, c in enumerate(chunks) if c.samples and not c.draft]
+        if plain:
+            rows = torch.tensor([ends[i] - 1 for i in plain])
+            seqs = [chunks[i].seq for i in plain]
+            toks, lps = eng.sampler(logits[rows].float(), [s.params for s in seqs], [s.request_id for s in seqs])
+            for i, t, lp, r in zip(plain, toks.tolist(), lps.tolist(), rows.tolist()):
+                new_tokens[i] = ([t], [lp], logits[r])
+        if picked:
+            idx = [i for i, _ in picked]
+            k_max = max(k for _, k in picked)
+            rows = torch.tensor([[min(ends[i] - 1 - k + j, ends[i] - 1) for j in range(k_max + 1)] for i, k in picked])
+            d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx])
+            seqs = [chunks[i].seq for i in idx]
+            acc, bonus = verify(logits[rows], d, torch.tensor([k for _, k in picked]),
+                                q[:, :k_max] if q is not None else None, [s.params for s in seqs],
+                                [s.request_id for s in seqs], eng.sampler)
+            for n, (i, k_i) in enumerate(picked):
+                a, b = int(acc[n]), int(bonus[n])
+                toks = chunks[i].draft[:a] + [b]
+                r = rows[n, : a + 1]
+                lps = lsm[r, torch.tensor(toks)].tolist()
+                new_tokens[i] = (toks, lps, logits[rows[n, a]])
+                committed[i] += a
+                self.acceptance_counts[a] += 1
+            st = eng._stats.extra
+            st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(picked)
+            st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(k for _, k in picked)
+            st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + int(acc.sum())
+            st["spec_mean_accepted_length"] = 1 + st["spec_accepted_tokens"] / st["spec_num_verifies"]
+        return self._commit(chunks, committed, main_x, batch, new_tokens)
+
+    def _commit(self, chunks: list[ScheduledChunk], committed: list[int], main_x: torch.Tensor, batch: Any,
+                new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]]) -> list[RequestOutput]:
+        """Advance every chunk's sequence by its committed tokens, then append the new tokens."""
+        eng = self.engine
+        starts = batch.cu_seqlens[:-1].tolist()
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, committed)]).to(main_x.device)
+        self.draft.write_context(self.windows, main_x[rows], batch.slots[batch.seq_index[rows]], batch.positions[rows])
+        for c, n in zip(chunks, committed):
+            c.seq.num_computed += n
+            c.seq.new_token_ids = []
+            eng.blocks.shrink(c.seq.slot, c.seq.num_computed)
+        for hook in self.on_commit:
+            hook([c.seq for c in chunks], committed)
+        eng._stats.num_steps += 1
+        eng._stats.prompt_tokens += sum(c.length for c in chunks if not self._is_decode(c))
+        outputs = []
+        now = time.perf_counter()
+        for i, (toks, lps, row) in new_tokens.items():
+            seq = chunks[i].seq
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            if self.record_logits is not None:
+                self.record_logits[seq.request_id] = row
+            for t, lp in zip(toks, lps):
+                eng._append(seq, t, lp)
+                eng._stats.generation_tokens += 1
+                if seq.is_finished:
+                    break
+            outputs.append(RequestOutput.of(seq))
+        return outputs
