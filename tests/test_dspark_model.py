@@ -1,0 +1,155 @@
+"""The DSpark draft model against the spec: hand-written block forward, taps, non-causal block,
+loader, and draft windows that hold exactly the committed context after speculative steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvshare.config import load_config
+from kvshare.engine.engine import LLMEngine
+from kvshare.engine.sampling import SamplingParams
+from kvshare.errors import CheckpointError
+from kvshare.model.deepseek import Transformer
+from kvshare.model.dense_cache import DenseCache
+from kvshare.model.dspark import DSparkDraft, attach_dspark
+from kvshare.model.loader import load_model, save_checkpoint
+from kvshare.runtime import StepBatch, StepState
+
+import dspark_reference as ref
+from test_speculative_exact import greedy_reference, oracle
+
+CFG = "tiny-v41-dspark"
+
+
+def model(quant: bool = False, seed: int = 3) -> Transformer:
+    m = Transformer(load_config(CFG), quant=quant)
+    attach_dspark(m)
+    return m.init_weights(seed).double().eval()
+
+
+@torch.inference_mode()
+def dense_prefill(m: Transformer, toks: list[int]):
+    """(DSparkDraft, DenseCache with the draft windows written, StepState taps, hook-captured taps)."""
+    cfg = m.cfg
+    cache = DenseCache(cfg, m.topo, 1, len(toks) + 8, dtype=torch.float64)
+    hooked: dict[int, torch.Tensor] = {}
+    handles = [m.layers[t].register_forward_pre_hook(lambda mod, args, t=t: hooked.__setitem__(t, args[0].mean(1)))
+               for t in cfg.dspark_target_layer_ids]
+    state = StepState(taps={t: None for t in cfg.dspark_target_layer_ids})
+    batch = StepBatch.build([0], [len(toks)], [0])
+    try:
+        m(torch.tensor(toks), batch, cache, state)
+    finally:
+        for h in handles:
+            h.remove()
+    d = DSparkDraft(m)
+    w = d.windows(cache)
+    d.write_context(w, d.main_x(state.taps), batch.slots[batch.seq_index], batch.positions)
+    return d, w, state.taps, hooked
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(255) for _ in range(n)]
+
+
+def test_taps_are_the_mean_stream_entering_each_target_layer():
+    m = model()
+    _, _, taps, hooked = dense_prefill(m, prompt(11))
+    assert list(taps) == list(m.cfg.dspark_target_layer_ids)
+    for t in taps:
+        assert torch.equal(taps[t], hooked[t])
+    assert not torch.allclose(taps[3], taps[4])
+
+
+@pytest.mark.parametrize("n", [3, 13])
+def test_draft_block_matches_hand_written_formulas(n):
+    """n = 13 > W = 8: the context is the last 8 committed positions; n = 3: all of them."""
+    m = model()
+    toks = prompt(n, seed=n)
+    d, w, _, hooked = dense_prefill(m, toks)
+    anchor = 17
+    with torch.inference_mode():
+        u, x_head = d.block_forward(w, torch.tensor([anchor]), torch.tensor([n]), torch.tensor([0]))
+    W = {k: v.double() for k, v in m.state_dict().items()}
+    taps = torch.stack([hooked[t] for t in m.cfg.dspark_target_layer_ids], 1)
+    u_ref, x_ref = ref.draft_block(W, m.cfg, taps, anchor, n)
+    # Observed max |diff|: U 3e-15, x_head 2e-14 (float64, quant off).
+    assert (u[0] - u_ref).abs().max().item() < 1e-12
+    assert (x_head[0] - x_ref).abs().max().item() < 1e-12
+    got, prev = [], torch.tensor([anchor])
+    for i in range(u.shape[1]):
+        bias, _ = d.markov_bias(prev)
+        prev = (u[:, i] + bias).argmax(-1)
+        got.append(int(prev))
+    assert got == ref.markov_greedy(W, m.cfg, u_ref, anchor)
+
+
+def test_block_is_non_causal_and_uses_main_rope():
+    """Changing what block positions 1..B-1 hold (the noise embedding) changes row 0's logits."""
+    m = model()
+    d, w, _, _ = dense_prefill(m, prompt(9))
+    args = (w, torch.tensor([5]), torch.tensor([9]), torch.tensor([0]))
+    with torch.inference_mode():
+        u0, _ = d.block_forward(*args)
+        m.embed.weight[m.cfg.dspark_noise_token_id] += 0.5
+        u1, _ = d.block_forward(*args)
+    assert (u1[0, 0] - u0[0, 0]).abs().max().item() > 1e-3
+    assert all(st.attn.rope is m.rope_main for st in d.stages) and m.rope_main.inv_freq.numel() > 0
+
+
+def test_draft_windows_hold_the_committed_context_after_speculation():
+    """After verify steps with partial acceptance (quant on, float64), a draft block from the engine's
+    windows equals the block computed from a fresh prefill of the committed tokens."""
+    m = model(quant=True, seed=1)
+    eng = LLMEngine(m, speculative_config={"method": "dspark", "num_speculative_tokens": 5},
+                    block_size=8, num_blocks=30, max_num_batched_tokens=6)
+    p = prompt(10, seed=4)
+    # Drafts right for 2 tokens then wrong: every verify commits anchor + 2 drafts, rejects 3.
+    eng.speculator.draft_override = oracle([greedy_reference(m, p, 48)], [p], 2, m.cfg.vocab_size)
+    eng.add_request("r", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seq = eng.requests["r"]
+    checked = 0
+    for _ in range(8):
+        eng.step()
+        if seq.num_computed < len(p):
+            continue
+        a = seq.num_computed
+        args = (torch.tensor([seq.output_token_ids[-1]]), torch.tensor([a]))
+        with torch.inference_mode():
+            u, _ = eng.speculator.draft.block_forward(eng.speculator.windows, *args, torch.tensor([seq.slot]))
+            d, w, _, _ = dense_prefill(m, seq.tokens[:a])
+            u_ref, _ = d.block_forward(w, *args, torch.tensor([0]))
+        assert (u - u_ref).abs().max().item() < 1e-9  # observed ~1e-15
+        checked += 1
+    st = eng.stats().extra
+    assert checked >= 4 and st["spec_draft_tokens"] > st["spec_accepted_tokens"] > 0
+
+
+def test_loader_round_trip_and_released_names(tmp_path):
+    m = model()
+    cfg = m.cfg
+    names = [k for k in m.state_dict() if k.startswith("mtp.")]
+    last = cfg.num_draft_layers - 1
+    assert [k for k in names if "main_" in k] == ["mtp.0.main_proj.weight", "mtp.0.main_norm.weight"]
+    heads = {k for k in names if any(s in k for s in ("markov", "confidence", ".norm."))}
+    assert heads == {f"mtp.{last}.norm.weight", f"mtp.{last}.markov_head.embed.weight",
+                     f"mtp.{last}.markov_head.head.weight", f"mtp.{last}.confidence_head.proj.weight"}
+    assert m.state_dict()[f"mtp.{last}.confidence_head.proj.weight"].shape == (1, cfg.hidden_size + 16)
+    assert not any(k.endswith(("embed.weight", "head.weight")) and "markov" not in k for k in names)
+    assert sum(1 for k in names if k.startswith("mtp.0.ffn.experts.") and k.endswith("w1.weight")) == 4
+    sd = {k: v.float() for k, v in m.state_dict().items()}
+    sd["mtp.0.ffn.gate.bias_vl"] = torch.zeros(4)  # accepted, unused (drafts are text)
+    save_checkpoint(sd, cfg, tmp_path)
+    back = load_model(tmp_path, quant=False, draft=True)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    plain = load_model(tmp_path, quant=False)  # without speculation the mtp tensors are skipped
+    assert not hasattr(plain, "mtp")
+    del sd["mtp.1.markov_head.head.weight"]
+    save_checkpoint(sd, cfg, tmp_path / "broken")
+    with pytest.raises(CheckpointError, match="mtp.1.markov_head.head.weight"):
+        load_model(tmp_path / "broken", draft=True)
