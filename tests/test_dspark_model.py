@@ -153,3 +153,39 @@ def test_loader_round_trip_and_released_names(tmp_path):
     save_checkpoint(sd, cfg, tmp_path / "broken")
     with pytest.raises(CheckpointError, match="mtp.1.markov_head.head.weight"):
         load_model(tmp_path / "broken", draft=True)
+
+
+def test_release_shaped_mtp_names_on_meta_device():
+    """V4.1-Flash dims (spec §2.9, dequantised shapes); the backbone's experts cut to 8 for speed."""
+    import dataclasses
+
+    from kvshare.model.dspark import dspark_shapes
+
+    cfg = dataclasses.replace(load_config("deepseek-v4.1-flash"), engram_layer_ids=(), n_routed_experts=8)
+    with torch.device("meta"):
+        m = Transformer(cfg)
+        attach_dspark(m)
+    shapes = dspark_shapes(m)
+    want = {
+        "mtp.0.hc_attn_fn": (24, 20480), "mtp.1.hc_ffn_base": (24,), "mtp.2.hc_attn_scale": (3,),
+        "mtp.0.attn_norm.weight": (5120,), "mtp.1.attn.attn_sink": (64,), "mtp.2.attn.wq_a.weight": (1280, 5120),
+        "mtp.0.attn.q_norm.weight": (1280,), "mtp.0.attn.wq_b.weight": (32768, 1280),
+        "mtp.0.attn.wkv.weight": (512, 5120), "mtp.0.attn.kv_norm.weight": (512,),
+        "mtp.0.attn.wo_a.weight": (8192, 4096), "mtp.0.attn.wo_b.weight": (5120, 8192),
+        "mtp.1.ffn.gate.weight": (128, 5120), "mtp.1.ffn.gate.bias": (128,),
+        "mtp.0.ffn.shared_experts.w1.weight": (2304, 5120), "mtp.0.ffn.shared_experts.w2.weight": (5120, 2304),
+        "mtp.2.ffn.experts.127.w1.weight": (2304, 5120), "mtp.2.ffn.experts.127.w2.weight": (5120, 2304),
+        "mtp.0.main_proj.weight": (5120, 15360), "mtp.0.main_norm.weight": (5120,),
+        "mtp.2.norm.weight": (5120,), "mtp.2.markov_head.embed.weight": (129280, 256),
+        "mtp.2.markov_head.head.weight": (129280, 256), "mtp.2.confidence_head.proj.weight": (1, 5376),
+    }
+    for k, v in want.items():
+        assert shapes[k] == v, k
+    assert "mtp.2.ffn.experts.128.w1.weight" not in shapes and "mtp.1.main_proj.weight" not in shapes
+    assert not any(k.startswith(("mtp.0.norm", "mtp.1.markov", "mtp.0.confidence")) for k in shapes)
+    # Per stage: 6 hc + 2 norms + 8 attention + 2 gate + 3 shared + 128 * 3 experts = 405 tensors,
+    # plus main_proj / main_norm and the last stage's 4. The release adds a scale per FP8 linear
+    # (5 attention + 3 shared per stage, main_proj) and FP4 expert (384 per stage) and bias_vl per gate:
+    # the spec's 2,401 tensors.
+    assert len(shapes) == 3 * 405 + 2 + 4
+    assert len(shapes) + 3 * (8 + 384 + 1) + 1 == 2401

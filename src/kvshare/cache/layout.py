@@ -16,8 +16,8 @@ ratio-4 layers also an indexer-compressor ring of width ``coff * index_head_dim`
 Invariants (checked on construction, tested): regions are disjoint, aligned, inside the block
 and in layer order; ``bytes_per_block`` equals the end of the last region; only owners have
 regions; ``block_size % ratio == 0`` for every ratio in use. All sizes are Python ints (no
-overflow). Slack rows (speculative decoding: one per draft token) let a verify step write
-rejected positions without overwriting rows a later step still reads. Consumers of these numbers must compute byte offsets in int64: ``block_id *
+overflow). Slack rows (speculative decoding: one per draft token, backbone rings only) let a
+verify step write rejected positions without overwriting rows a later step still reads. Consumers of these numbers must compute byte offsets in int64: ``block_id *
 bytes_per_block`` passes 2^32 at ~37.7k blocks of 113,920 B.
 """
 
@@ -188,8 +188,9 @@ class CacheLayout:
         cfg, sb = self.cfg, self.state_dtype_bytes
         out: list[StateSpec] = []
         w = self.window_format
-        for p in self.topo.layers:
-            out.append(StateSpec(p.layer, "window", cfg.sliding_window + self.window_slack, w.dim, w.row_bytes, 1))
+        for p in self.topo.layers:  # draft windows get context rows only: drafts never write them
+            slack = 0 if p.is_draft else self.window_slack
+            out.append(StateSpec(p.layer, "window", cfg.sliding_window + slack, w.dim, w.row_bytes, 1))
         for p in self.topo.layers:
             coff = 2 if (cfg.arch == "v4" and p.ratio == 4) else 1
             if p.needs_compressor_state:

@@ -54,6 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engram-table", default=None, choices=["mmap", "memory"],
                    help="where Engram (V4.1) tables live on the host: mmap = memory-mapped from the checkpoint "
                         "(default; little resident memory), memory = read into RAM at load (fastest lookups)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
+                        "(the model's mtp.* DSpark stages draft, the model verifies; output unchanged)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler's random stream (generate and chat also seed their request "
                         "with it, so a run is reproducible); random weights always use the model's fixed seed")
@@ -77,6 +80,7 @@ _ENGINE_KEYS = {
     "quantize": "quantize",
     "seed": "seed",
     "engram_table": "engram_table",
+    "speculative_config": "speculative_config",
 }
 
 

@@ -51,6 +51,7 @@ class StreamResult:
     peak_blocks_used: int | None
     blocks_total: int | None
     bytes_per_block: float | None
+    spec: dict | None = None  # speculative decoding figures (EngineStats.extra spec_*), when on
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,6 +78,10 @@ class StreamResult:
                 total = self.blocks_total * self.bytes_per_block
                 cache += f" ({_bytes(used)} of {_bytes(total)}, {_bytes(self.bytes_per_block)} per block)"
             lines.append(cache)
+        if self.spec and self.spec.get("spec_num_verifies"):
+            drafted, accepted = int(self.spec["spec_draft_tokens"]), int(self.spec["spec_accepted_tokens"])
+            lines.append(f"speculation: {drafted} drafted, {accepted} accepted ({accepted / max(drafted, 1):.0%}), "
+                         f"mean accepted length {self.spec['spec_mean_accepted_length']:.2f} tokens per step")
         return "\n".join(lines)
 
 
@@ -114,7 +119,8 @@ def stream_request(engine: Any, request_id: str, prompt: str | list[int], params
     end = time.perf_counter()
     first = first or end
     _, total = blocks_used_total(stats)
-    return StreamResult(final, first - start, end - first, peak, total, stat(stats, "bytes_per_block"))
+    spec = {k: v for k, v in (getattr(stats, "extra", None) or {}).items() if k.startswith("spec_")}
+    return StreamResult(final, first - start, end - first, peak, total, stat(stats, "bytes_per_block"), spec)
 
 
 def _bytes(n: float) -> str:

@@ -34,6 +34,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--memory", type=parse_bytes, default=None, help="cache memory budget, e.g. 80GiB")
     p.add_argument("--max-seqs", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--no-share", action="store_true", help="plan without cross-layer sharing")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="plan for DSpark speculation with K drafts per step: one slack row per draft in every "
+                        "backbone window and compressor ring (default 0: no speculation)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -70,9 +73,11 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_config(args.config)
     topo = Topology(cfg, share_cache=not args.no_share)
+    k = getattr(args, "speculative_tokens", 0) or 0
     layout = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
-                         index_format=args.index_format, window_format=args.window_format)
-    return {
+                         index_format=args.index_format, window_format=args.window_format,
+                         window_slack=k, state_slack=k)
+    plan = {
         "config": str(args.config),
         "arch": cfg.arch,
         "num_layers": cfg.num_hidden_layers,
@@ -82,6 +87,16 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layout": layout.to_dict(args.memory, args.max_seqs),
         "weights": weight_bytes(cfg),
     }
+    if k:
+        plain = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
+                            index_format=args.index_format, window_format=args.window_format)
+        plan["speculation"] = {
+            "num_speculative_tokens": k,
+            "draft_window_bytes_per_seq": sum(s.nbytes for s in layout.states if s.layer >= cfg.num_hidden_layers
+                                              and s.name == "window"),
+            "slack_bytes_per_seq": layout.state_bytes_per_seq - plain.state_bytes_per_seq,
+        }
+    return plan
 
 
 def weight_bytes(cfg: Any) -> dict[str, Any]:
@@ -145,6 +160,11 @@ def _print_rich(plan: dict[str, Any]) -> None:
     s.add_row("per-sequence state", f"{_fmt_bytes(lay['state_bytes_per_seq'])}: window "
                                     f"{_fmt_bytes(lay['window_bytes_per_seq'])}, compressor "
                                     f"{_fmt_bytes(lay['compressor_bytes_per_seq'])}")
+    spec = plan.get("speculation")
+    if spec:
+        s.add_row(f"speculation ({spec['num_speculative_tokens']} drafts)",
+                  f"draft windows {_fmt_bytes(spec['draft_window_bytes_per_seq'])}, ring slack "
+                  f"{_fmt_bytes(spec['slack_bytes_per_seq'])} per sequence (included above)")
     mem = lay.get("memory")
     if mem:
         s.add_row("memory budget", _fmt_bytes(mem["memory_bytes"]))

@@ -15,7 +15,8 @@ from typing import Any
 _RATE_WINDOW_S = 10.0
 
 # cumulative EngineStats fields: exposed as counters named kvshare_engine_<field>_total
-_ENGINE_COUNTERS = ("num_steps", "num_preemptions", "prompt_tokens", "generation_tokens")
+_ENGINE_COUNTERS = ("num_steps", "num_preemptions", "prompt_tokens", "generation_tokens", "spec_num_verifies",
+                    "spec_draft_tokens", "spec_accepted_tokens")
 
 # metric name -> (EngineStats attribute names to try, help text)
 _ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -185,6 +186,8 @@ def _other_stats(stats: Any) -> list[tuple[str, float]]:
         items = stats
     else:
         items = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+    if isinstance(items.get("extra"), dict):  # EngineStats.extra: e.g. speculative decoding figures
+        items = {**items, **items["extra"]}
     named = {k for keys, _ in _ENGINE_GAUGES.values() for k in keys}
     return [(k, v) for k, v in items.items()
             if k not in named and isinstance(v, (int, float)) and not isinstance(v, bool)]
