@@ -27,8 +27,8 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     plots = importlib.util.find_spec("matplotlib") is not None  # in the `test` extra; optional here
     out = _run(tmp_path, "--quick", *([] if plots else ["--no-plots"]))
     sections = {s["name"]: s for s in out["sections"]}
-    assert set(sections) == {"peer", "sharing", "context", "bandwidth"}
-    for name in sections:
+    assert set(sections) == {"peer", "sharing", "context", "bandwidth", "speculation"}
+    for name in ("peer", "sharing", "context", "bandwidth"):
         assert not plots or (tmp_path / f"b-{name}.png").stat().st_size > 0
     assert "| target |" in (tmp_path / "b.md").read_text()
 
@@ -53,6 +53,11 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     assert all(r["step_s"] > 0 and r["dense_attention_s"] > 0 for r in ctx)
     assert sections["bandwidth"]["data"]["copy"]["read_gbps"] > 0
     assert out["header"]["load_before"]["cpu_count"] >= 1
+
+    spec = sections["speculation"]
+    assert spec["data"]["plain_decode_tok_s"] > 0
+    assert all(r["lossless"] and r["decode_tok_s"] > 0 for r in spec["data"]["rows"])
+    assert all(t["met"] for t in spec["targets"]), spec["targets"]
 
 
 def test_bench_single_section_without_peer(tmp_path: Path) -> None:

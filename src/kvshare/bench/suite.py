@@ -1,7 +1,7 @@
 """Run the selected benchmark sections in one process, then print and save the results.
 
 Order: copy bandwidth (machine), peer comparison (V4), sharing on/off and context scaling
-(V4.1-shaped), achieved bandwidth (from the decode steps measured above). The header records the
+(V4.1-shaped), DSpark speculation on / off, achieved bandwidth (from the decode steps measured above). The header records the
 date, versions, thread count and the machine's load before and after, because the cores may be
 shared with other processes.
 """
@@ -140,6 +140,14 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
                 if w != "bandwidth":
                     sections.append(csec)
                 bw_entries += _context_bandwidth(csec, model41)
+    if w in ("spec", "all"):
+        from kvshare.bench.speculation import speculation_section
+
+        t0 = time.perf_counter()
+        spsec = _guard("spec", errors, speculation_section, s, dtype=opts.dtype, device=opts.device)
+        if spsec is not None:
+            spsec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            sections.append(spsec)
     if copy is not None:
         end = copy_bandwidth(s.copy_mib * 2**20, device=opts.device)
         best = max((copy, end), key=lambda c: c["read_gbps"])

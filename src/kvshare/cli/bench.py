@@ -1,4 +1,4 @@
-"""`kvshare bench [peer|sharing|context|bandwidth|all] [--quick] [size flags]`.
+"""`kvshare bench [peer|sharing|context|bandwidth|spec|all] [--quick] [size flags]`.
 
 Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
 transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvshare.bench.sizes import add_size_flags
 
-SECTIONS = ("peer", "sharing", "context", "bandwidth", "all")
+SECTIONS = ("peer", "sharing", "context", "bandwidth", "spec", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
