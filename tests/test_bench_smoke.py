@@ -73,3 +73,17 @@ def test_bench_full(tmp_path: Path) -> None:
     """The full benchmark (minutes): every section at the default sizes."""
     out = _run(tmp_path)
     assert {s["name"] for s in out["sections"]} == {"peer", "sharing", "context", "bandwidth"}
+
+
+def test_bench_speculation_section(tmp_path: Path) -> None:
+    """Tokens/s with and without DSpark speculation; drafters agreeing at known rates are lossless
+    and commit exactly their expected mean accepted length."""
+    rc = main(["bench", "spec", "--quick", "--no-plots", "--out-dir", str(tmp_path), "--name", "sp"])
+    assert rc == 0
+    out = json.loads((tmp_path / "sp.json").read_text())
+    (spec,) = out["sections"]
+    rows = {r["drafter"]: r for r in spec["data"]["rows"]}
+    assert spec["data"]["plain_decode_tok_s"] > 0 and len(rows) == 4
+    assert all(r["lossless"] and r["decode_tok_s"] > 0 for r in rows.values())
+    assert all(t["met"] for t in spec["targets"]), spec["targets"]
+    assert rows["agrees for 5 of 5"]["mean_accepted_length"] > rows["agrees for 2 of 5"]["mean_accepted_length"] > 1
