@@ -130,3 +130,10 @@ def markov_greedy(W, cfg, u, anchor):
         prev = int((u[i] + W[last + "head.weight"] @ W[last + "embed.weight"][prev]).argmax())
         out.append(prev)
     return out
+
+
+def confidence(W, cfg, x_head, prev):
+    """sigmoid(proj [x_head_i ; E[prev_i]]) per block row, prev = [anchor, d_1, ...]."""
+    last = f"mtp.{cfg.num_draft_layers - 1}."
+    z = torch.cat([x_head, W[last + "markov_head.embed.weight"][prev]], -1) @ W[last + "confidence_head.proj.weight"].t()
+    return torch.sigmoid(z[:, 0])

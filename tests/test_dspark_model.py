@@ -80,12 +80,15 @@ def test_draft_block_matches_hand_written_formulas(n):
     # Observed max |diff|: U 3e-15, x_head 2e-14 (float64, quant off).
     assert (u[0] - u_ref).abs().max().item() < 1e-12
     assert (x_head[0] - x_ref).abs().max().item() < 1e-12
-    got, prev = [], torch.tensor([anchor])
+    got, prev, conf = [], torch.tensor([anchor]), []
     for i in range(u.shape[1]):
-        bias, _ = d.markov_bias(prev)
+        bias, emb = d.markov_bias(prev)
+        conf.append(float(d.confidence(x_head[:, i], emb)))
         prev = (u[:, i] + bias).argmax(-1)
         got.append(int(prev))
     assert got == ref.markov_greedy(W, m.cfg, u_ref, anchor)
+    conf_ref = ref.confidence(W, m.cfg, x_ref, torch.tensor([anchor] + got[:-1]))
+    assert (torch.tensor(conf, dtype=torch.float64) - conf_ref).abs().max().item() < 1e-12
 
 
 def test_block_is_non_causal_and_uses_main_rope():

@@ -108,7 +108,10 @@ class Speculator:
             prev, q = draft_choice(u[:, j] + bias, params, ids, self.engine.sampler)
             toks.append(prev)
             qs.append(q)
-        self._confidence = torch.stack(conf, 1)
+        # The confidence head feeds statistics only (no adaptive trimming): its mean over drafted rows.
+        drafted = torch.arange(len(conf), device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
+        st = self.engine._stats.extra
+        st["spec_confidence_sum"] = st.get("spec_confidence_sum", 0.0) + float(torch.stack(conf, 1)[drafted].sum())
         drafts = torch.stack(toks, 1).tolist()
         q_all = None if any(q is None for q in qs) else torch.stack(qs, 1)  # type: ignore[misc]
         return [d[:k] for d, k in zip(drafts, ks)], q_all
@@ -165,6 +168,8 @@ class Speculator:
             st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(k for _, k in picked)
             st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + int(acc.sum())
             st["spec_mean_accepted_length"] = 1 + st["spec_accepted_tokens"] / st["spec_num_verifies"]
+            if "spec_confidence_sum" in st:
+                st["spec_mean_draft_confidence"] = st["spec_confidence_sum"] / st["spec_draft_tokens"]
         return self._commit(chunks, committed, main_x, batch, new_tokens)
 
     def _commit(self, chunks: list[ScheduledChunk], committed: list[int], main_x: torch.Tensor, batch: Any,
