@@ -150,9 +150,10 @@ class Speculator:
             idx = [i for i, _ in picked]
             k_max = max(k for _, k in picked)
             rows = torch.tensor([[min(ends[i] - 1 - k + j, ends[i] - 1) for j in range(k_max + 1)] for i, k in picked])
-            d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx])
+            dev = logits.device
+            d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
             seqs = [chunks[i].seq for i in idx]
-            acc, bonus = verify(logits[rows], d, torch.tensor([k for _, k in picked]),
+            acc, bonus = verify(logits[rows.to(dev)], d, torch.tensor([k for _, k in picked], device=dev),
                                 q[:, :k_max] if q is not None else None, [s.params for s in seqs],
                                 [s.request_id for s in seqs], eng.sampler)
             for n, (i, k_i) in enumerate(picked):
