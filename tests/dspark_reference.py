@@ -135,5 +135,6 @@ def markov_greedy(W, cfg, u, anchor):
 def confidence(W, cfg, x_head, prev):
     """sigmoid(proj [x_head_i ; E[prev_i]]) per block row, prev = [anchor, d_1, ...]."""
     last = f"mtp.{cfg.num_draft_layers - 1}."
-    z = torch.cat([x_head, W[last + "markov_head.embed.weight"][prev]], -1) @ W[last + "confidence_head.proj.weight"].t()
+    z = torch.cat([x_head, W[last + "markov_head.embed.weight"][prev]], -1)
+    z = z @ W[last + "confidence_head.proj.weight"].t()
     return torch.sigmoid(z[:, 0])

@@ -81,11 +81,12 @@ def test_draft_block_matches_hand_written_formulas(n):
     assert (u[0] - u_ref).abs().max().item() < 1e-12
     assert (x_head[0] - x_ref).abs().max().item() < 1e-12
     got, prev, conf = [], torch.tensor([anchor]), []
-    for i in range(u.shape[1]):
-        bias, emb = d.markov_bias(prev)
-        conf.append(float(d.confidence(x_head[:, i], emb)))
-        prev = (u[:, i] + bias).argmax(-1)
-        got.append(int(prev))
+    with torch.inference_mode():
+        for i in range(u.shape[1]):
+            bias, emb = d.markov_bias(prev)
+            conf.append(float(d.confidence(x_head[:, i], emb)))
+            prev = (u[:, i] + bias).argmax(-1)
+            got.append(int(prev))
     assert got == ref.markov_greedy(W, m.cfg, u_ref, anchor)
     conf_ref = ref.confidence(W, m.cfg, x_ref, torch.tensor([anchor] + got[:-1]))
     assert (torch.tensor(conf, dtype=torch.float64) - conf_ref).abs().max().item() < 1e-12

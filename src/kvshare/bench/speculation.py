@@ -4,12 +4,14 @@ The model is the V4.1-shaped benchmark stack plus 3 DSpark stages (random weight
 weights accept almost nothing, so the speed-up per accepted token is measured with a drafter that
 agrees at a known rate: the engine's ``draft_override`` hook returns the target's own greedy
 continuation (from the plain run) for j tokens, then wrong tokens, so every verify commits
-exactly j + 1 tokens (j = 0 .. K; fewer at the end, where max_tokens caps the drafts). The real DSpark drafter runs too (its cost per step: the draft
-forward of 3 stages plus the Markov loop). Every speculative run must produce the plain run's
-tokens (lossless); the measured mean accepted length must equal `expected_accepted_length`.
+exactly j + 1 tokens (j = 0 .. K; fewer at the end, where max_tokens caps the drafts). The real
+DSpark drafter runs too (its cost per step: the draft forward of 3 stages plus the Markov loop).
+Every speculative run must produce the plain run's tokens (lossless); the measured mean accepted
+length must equal `expected_accepted_length`.
 
 Decode tokens/s = generated tokens after each sequence's first / wall time from the step after
-prefill to the last step (steps timed back to back; engines alternate per repeat).
+prefill to the last step. The runs follow each other in one process (a shared machine's load can
+differ between them; the header records it).
 """
 
 from __future__ import annotations
