@@ -196,3 +196,23 @@ def test_checkpoint_without_mtp_refuses_speculation(tmp_path):
         LLMEngine("tiny-v41-dspark", speculative_config={"method": "eagle"})
     with pytest.raises(ConfigError, match="exceeds the model's dspark_block_size"):
         LLMEngine("tiny-v41-dspark", speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+
+
+def test_on_commit_hooks_see_exactly_the_committed_tokens():
+    """Per-request state of other features advances by what `num_computed` advances, never by drafts."""
+    model, prompts, refs = model_and_prompts()
+    seen: dict[str, int] = {}
+
+    def hook(seqs, committed):
+        for s, n in zip(seqs, committed):
+            seen[s.request_id] = seen.get(s.request_id, 0) + n
+            assert seen[s.request_id] == s.num_computed
+
+    eng = LLMEngine(model, speculative_config=SPEC, block_size=8, num_blocks=40, max_num_batched_tokens=16)
+    eng.speculator.on_commit.append(hook)
+    eng.speculator.draft_override = oracle(refs, prompts, 3, model.cfg.vocab_size)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert all(seen[str(i)] == len(prompts[i]) + MAX_TOKENS - 1 for i in range(3))

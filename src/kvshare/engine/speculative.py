@@ -177,8 +177,10 @@ class Speculator:
                 new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]]) -> list[RequestOutput]:
         """Advance every chunk's sequence by its committed tokens, then append the new tokens."""
         eng = self.engine
-        starts = batch.cu_seqlens[:-1].tolist()
-        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, committed)]).to(main_x.device)
+        n_c = torch.tensor(committed, device=main_x.device)  # each chunk's first rows are its committed ones
+        first = torch.repeat_interleave(batch.cu_seqlens[:-1].to(main_x.device), n_c)
+        rows = first + torch.arange(int(n_c.sum()), device=main_x.device) - torch.repeat_interleave(
+            torch.cumsum(n_c, 0) - n_c, n_c)
         self.draft.write_context(self.windows, main_x[rows], batch.slots[batch.seq_index[rows]], batch.positions[rows])
         for c, n in zip(chunks, committed):
             c.seq.num_computed += n

@@ -72,6 +72,9 @@ class Block(nn.Module):
         if self.engram is not None:  # pre_prev stays: it was computed from the pre-Engram stream (§7.1)
             assert ctx.engram_ids is not None
             h = self.engram(h, ctx.engram_ids[:, self.engram.index])
+        taps = ctx.state.taps if ctx.state is not None else None
+        if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
+            taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
         pre, post, comb = self._mix("attn", h)
         x = hc_collapse(h, pre_prev if lagged else pre)
         h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb)
@@ -132,9 +135,7 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = identity_pre(h.shape[0], cfg.hc_mult, h.device) if cfg.arch == "v41" else None
-        for i, block in enumerate(self.layers):
-            if state.taps is not None and i in state.taps:  # DSpark: the stream entering layer i
-                state.taps[i] = h.mean(dim=1)
+        for block in self.layers:
             h, pre = block(h, pre, ctx)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]

@@ -47,6 +47,7 @@ class DraftContext:
     positions: torch.Tensor  # [N * B]
     num_blocks: int
     context: dict[int, tuple[torch.Tensor, torch.Tensor]]  # stage layer -> ([N, W, d], [N, W] valid)
+    state: None = None  # Block.forward's hand-offs (taps): none inside the drafter
 
 
 class DSparkAttention(Attention):
@@ -75,8 +76,9 @@ class DSparkStage(Block):
 
     def __init__(self, cfg: ModelConfig, model: Transformer, layer: int, first: bool, last: bool,
                  n_targets: int) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Block.__init__: it would build the backbone's (larger) MoE
         self.cfg = cfg
+        self.engram = None  # stages have no Engram
         d, mode = cfg.hidden_size, model.quant
         n_mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * d
         stage_cfg = dataclasses.replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts or cfg.n_routed_experts,
