@@ -119,6 +119,7 @@ class Speculator:
     # ---- 2-4. verify and commit -----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Propose, verify in one forward, accept, commit (module doc); the step's outputs."""
         eng = self.engine
         chunks = sched.chunks
         picked = self._budget(chunks, sched)
@@ -133,12 +134,9 @@ class Speculator:
             logits = eng.model(input_ids, batch, eng.backend, state)
         finally:
             eng.backend.end_step()
-        main_x = self.draft.main_x(state.taps)
-        ends = torch.cumsum(torch.tensor([1 + len(c.draft) for c in chunks]), 0).tolist()
+        ends = torch.cumsum(torch.tensor([1 + len(c.draft) for c in chunks]), 0).tolist()  # logit rows
         committed = [c.length for c in chunks]
         new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]] = {}
-        lsm = torch.log_softmax(logits.float(), dim=-1)
-
         plain = [i for i, c in enumerate(chunks) if c.samples and not c.draft]
         if plain:
             rows = torch.tensor([ends[i] - 1 for i in plain])
@@ -147,41 +145,54 @@ class Speculator:
             for i, t, lp, r in zip(plain, toks.tolist(), lps.tolist(), rows.tolist()):
                 new_tokens[i] = ([t], [lp], logits[r])
         if picked:
-            idx = [i for i, _ in picked]
-            k_max = max(k for _, k in picked)
-            rows = torch.tensor([[min(ends[i] - 1 - k + j, ends[i] - 1) for j in range(k_max + 1)] for i, k in picked])
-            dev = logits.device
-            d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
-            seqs = [chunks[i].seq for i in idx]
-            acc, bonus = verify(logits[rows.to(dev)], d, torch.tensor([k for _, k in picked], device=dev),
-                                q[:, :k_max] if q is not None else None, [s.params for s in seqs],
-                                [s.request_id for s in seqs], eng.sampler)
-            for n, (i, k_i) in enumerate(picked):
-                a, b = int(acc[n]), int(bonus[n])
-                toks = chunks[i].draft[:a] + [b]
-                r = rows[n, : a + 1]
-                lps = lsm[r, torch.tensor(toks)].tolist()
-                new_tokens[i] = (toks, lps, logits[rows[n, a]])
-                committed[i] += a
-                self.acceptance_counts[a] += 1
-            st = eng._stats.extra
-            st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(picked)
-            st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(k for _, k in picked)
-            st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + int(acc.sum())
-            st["spec_mean_accepted_length"] = 1 + st["spec_accepted_tokens"] / st["spec_num_verifies"]
-            if "spec_confidence_sum" in st:
-                st["spec_mean_draft_confidence"] = st["spec_confidence_sum"] / st["spec_draft_tokens"]
-        return self._commit(chunks, committed, main_x, batch, new_tokens)
+            for i, (toks, lps, row) in self._accept(chunks, picked, logits, ends, q).items():
+                new_tokens[i] = (toks, lps, row)
+                committed[i] += len(toks) - 1
+        return self._commit(chunks, committed, state.taps, batch, new_tokens)
 
-    def _commit(self, chunks: list[ScheduledChunk], committed: list[int], main_x: torch.Tensor, batch: Any,
+    def _accept(self, chunks: list[ScheduledChunk], picked: list[tuple[int, int]], logits: torch.Tensor,
+                ends: list[int], q: torch.Tensor | None) -> dict[int, tuple[list[int], list[float], torch.Tensor]]:
+        """Verify the drafted chunks: chunk index -> (accepted drafts + bonus, their logprobs, the
+        logits row behind the bonus); updates the acceptance statistics."""
+        eng, dev = self.engine, logits.device
+        idx = [i for i, _ in picked]
+        k_max = max(k for _, k in picked)
+        rows = torch.tensor([[min(ends[i] - 1 - k + j, ends[i] - 1) for j in range(k_max + 1)] for i, k in picked],
+                            device=dev)
+        d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
+        seqs = [chunks[i].seq for i in idx]
+        acc, bonus = verify(logits[rows], d, torch.tensor([k for _, k in picked], device=dev),
+                            q[:, :k_max] if q is not None else None, [s.params for s in seqs],
+                            [s.request_id for s in seqs], eng.sampler)
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        out = {}
+        for n, i in enumerate(idx):
+            a = int(acc[n])
+            toks = chunks[i].draft[:a] + [int(bonus[n])]
+            lps = lsm[rows[n, : a + 1], torch.tensor(toks, device=dev)].tolist()
+            out[i] = (toks, lps, logits[rows[n, a]])
+            self.acceptance_counts[a] += 1
+        st = eng._stats.extra
+        st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(picked)
+        st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(k for _, k in picked)
+        st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + int(acc.sum())
+        st["spec_mean_accepted_length"] = 1 + st["spec_accepted_tokens"] / st["spec_num_verifies"]
+        if "spec_confidence_sum" in st:
+            st["spec_mean_draft_confidence"] = st["spec_confidence_sum"] / st["spec_draft_tokens"]
+        return out
+
+    def _commit(self, chunks: list[ScheduledChunk], committed: list[int], taps: dict, batch: Any,
                 new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]]) -> list[RequestOutput]:
-        """Advance every chunk's sequence by its committed tokens, then append the new tokens."""
+        """Advance every chunk's sequence by its committed tokens (their draft context rows from the
+        taps, blocks past them freed), then append the new tokens in chunk order."""
         eng = self.engine
-        n_c = torch.tensor(committed, device=main_x.device)  # each chunk's first rows are its committed ones
-        first = torch.repeat_interleave(batch.cu_seqlens[:-1].to(main_x.device), n_c)
-        rows = first + torch.arange(int(n_c.sum()), device=main_x.device) - torch.repeat_interleave(
-            torch.cumsum(n_c, 0) - n_c, n_c)
-        self.draft.write_context(self.windows, main_x[rows], batch.slots[batch.seq_index[rows]], batch.positions[rows])
+        dev = batch.positions.device
+        n_c = torch.tensor(committed, device=dev)  # each chunk's first rows are its committed ones
+        first = torch.repeat_interleave(batch.cu_seqlens[:-1], n_c)
+        offset = torch.repeat_interleave(torch.cumsum(n_c, 0) - n_c, n_c)
+        rows = first + torch.arange(int(n_c.sum()), device=dev) - offset
+        main_x = self.draft.main_x({t: v[rows] for t, v in taps.items() if v is not None})
+        self.draft.write_context(self.windows, main_x, batch.slots[batch.seq_index[rows]], batch.positions[rows])
         for c, n in zip(chunks, committed):
             c.seq.num_computed += n
             c.seq.new_token_ids = []
@@ -192,7 +203,8 @@ class Speculator:
         eng._stats.prompt_tokens += sum(c.length for c in chunks if not self._is_decode(c))
         outputs = []
         now = time.perf_counter()
-        for i, (toks, lps, row) in new_tokens.items():
+        for i in sorted(new_tokens):
+            toks, lps, row = new_tokens[i]
             seq = chunks[i].seq
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
