@@ -216,3 +216,39 @@ def test_on_commit_hooks_see_exactly_the_committed_tokens():
     while eng.has_unfinished_requests():
         eng.step()
     assert all(seen[str(i)] == len(prompts[i]) + MAX_TOKENS - 1 for i in range(3))
+
+
+class _Poisoned(torch.nn.Module):
+    """The engine's target forward raises whenever `poison` is among the step's input ids."""
+
+    def __init__(self, inner: Transformer, poison: int) -> None:
+        super().__init__()
+        self.inner, self.poison, self.cfg, self.topo = inner, poison, inner.cfg, inner.topo
+
+    def forward(self, input_ids, batch, backend, state=None):
+        if bool((input_ids == self.poison).any()):
+            raise RuntimeError("injected failure: poison token")
+        return self.inner(input_ids, batch, backend, state)
+
+
+def test_a_failing_request_fails_alone_during_speculation():
+    """A poisoned request joins verifying requests: it finishes with "error"; the others keep the
+    plain greedy tokens (their rejected drafts and requeue leave no trace)."""
+    model, prompts, refs = model_and_prompts()
+    poison = model.cfg.vocab_size - 1
+    eng = LLMEngine(model, speculative_config=SPEC, block_size=8, num_blocks=40, max_num_batched_tokens=64)
+    eng.speculator.draft_override = oracle(refs, prompts, 2, model.cfg.vocab_size)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    eng.step()
+    eng.model = _Poisoned(model, poison)
+    eng.add_request("bad", [3, poison, 4], SamplingParams(temperature=0, max_tokens=4))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["bad"].finish_reason == "error" and "poison" in done["bad"].error
+    for i in range(3):
+        assert done[str(i)].token_ids == refs[i][:MAX_TOKENS]
+    assert eng.blocks.allocator.num_used == 0

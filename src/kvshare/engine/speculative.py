@@ -28,6 +28,7 @@ written for committed positions only. Per-request state of other features advanc
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ from kvshare.engine.spec_config import SpeculativeConfig
 from kvshare.model.dspark import DSparkDraft
 from kvshare.runtime import StepState
 
+log = logging.getLogger(__name__)
 _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -72,23 +74,24 @@ class Speculator:
             return False
         return all(getattr(p, a, _PENALTY_OFF[a]) == _PENALTY_OFF[a] for a in _PENALTIES)
 
-    def _budget(self, chunks: list[ScheduledChunk], sched: SchedulerOutput) -> list[tuple[int, int]]:
-        """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks."""
+    def _budget(self, chunks: list[ScheduledChunk], left: list[int]) -> list[tuple[int, int]]:
+        """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks. `left[0]`:
+        the step's token budget still free (drafts spend it)."""
         eng = self.engine
-        blocks, left = eng.blocks, eng.scheduler.max_num_batched_tokens - sched.num_tokens
+        blocks = eng.blocks
         out = []
         for i, c in enumerate(chunks):
-            if left <= 0 or not self._may_speculate(c):
+            if left[0] <= 0 or not self._may_speculate(c):
                 continue
             seq = c.seq
-            n = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, left,
+            n = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, left[0],
                     eng.max_model_len - seq.num_tokens)
             have = len(blocks.block_ids[seq.slot])
             n = min(n, (have + blocks.allocator.num_free) * blocks.block_size - seq.num_tokens)
             if n >= 1:
                 blocks.grow(seq.slot, seq.num_tokens + n)
                 out.append((i, n))
-                left -= n
+                left[0] -= n
         return out
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -117,12 +120,39 @@ class Speculator:
         return [d[:k] for d, k in zip(drafts, ks)], q_all
 
     # ---- 2-4. verify and commit -----------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Propose, verify in one forward, accept, commit (module doc); the step's outputs."""
+        """One engine step: the step's outputs. Per-request failure isolation as in the plain path
+        (`engine/isolation.py`): a failing batch is requeued and its requests marked suspect; a
+        suspect runs alone next time, and fails alone (finish_reason "error") if it fails again."""
         eng = self.engine
-        chunks = sched.chunks
-        picked = self._budget(chunks, sched)
+        suspects = eng._suspects
+        clean = [c for c in sched.chunks if c.seq.request_id not in suspects]
+        groups = ([clean] if clean else []) + [[c] for c in sched.chunks if c.seq.request_id in suspects]
+        left = [eng.scheduler.max_num_batched_tokens - sched.num_tokens]
+        outputs: list[RequestOutput] = []
+        for group in groups:
+            try:
+                outputs += self._step_group(group, left)
+            except Exception as e:  # noqa: BLE001 - contained to this group, as in run_isolated
+                if len(group) == 1:
+                    suspects.discard(group[0].seq.request_id)
+                    eng._fail(group[0].seq, e, outputs)
+                else:
+                    log.warning("a speculative step of %d requests failed (%s: %s); rerunning them one by one",
+                                len(group), type(e).__name__, e)
+                    for c in group:
+                        eng.scheduler.requeue(c.seq)
+                    suspects.update(c.seq.request_id for c in group)
+                continue
+            if len(group) == 1:
+                suspects.discard(group[0].seq.request_id)
+        return outputs
+
+    @torch.inference_mode()
+    def _step_group(self, chunks: list[ScheduledChunk], left: list[int]) -> list[RequestOutput]:
+        """Propose, verify in one forward, accept, commit (module doc) for one group of chunks."""
+        eng = self.engine
+        picked = self._budget(chunks, left)
         q = None
         if picked:
             drafts, q = self._propose([chunks[i].seq for i, _ in picked], [k for _, k in picked])
