@@ -4,8 +4,7 @@ Independent of kvshare's modules: it reads only the raw weights (a released-nami
 and the config numbers, and spells out RMSNorm, RoPE (interleaved pairs, theta 10000, no YaRN),
 the V4.1 mHC mixes with the lagged pre-mix, the non-causal block attention with sink over W
 context rows plus B block rows, the sqrtsoftplus MoE with one shared expert, the final collapse
-and head, and the Markov chain. Quantisation off; run in float64. The RoPE frequencies and the
-rotated pairs are rounded to fp32 first (REF41 rotates in complex64; kvshare's table is fp32).
+and head, and the Markov chain. Quantisation off; everything in float64.
 """
 
 from __future__ import annotations
@@ -21,12 +20,11 @@ def rms(x, w, eps):
 def rope(x, pos, rd, theta=10000.0, inverse=False):
     """Rotate the last rd dims of x ([..., d]; pos broadcast to x's first dim) in pairs (2i, 2i+1)."""
     i = torch.arange(rd // 2, dtype=torch.float64)
-    freq = (theta ** (-2.0 * i / rd)).float()
-    ang = pos.double()[:, None] * freq.double()[None, :]
+    ang = pos.double()[:, None] * (theta ** (-2.0 * i / rd))[None, :]
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(1)
     c, s = torch.cos(ang), torch.sin(ang) * (-1 if inverse else 1)
-    a, b = x[..., -rd::2].float().double(), x[..., -rd + 1::2].float().double()  # fp32 inputs (REF41: complex64)
+    a, b = x[..., -rd::2], x[..., -rd + 1::2]
     out = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
     return torch.cat([x[..., :-rd], out], -1)
 

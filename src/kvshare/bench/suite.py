@@ -1,9 +1,9 @@
 """Run the selected benchmark sections in one process, then print and save the results.
 
 Order: copy bandwidth (machine), peer comparison (V4), sharing on/off and context scaling
-(V4.1-shaped), DSpark speculation on / off, achieved bandwidth (from the decode steps measured above). The header records the
-date, versions, thread count and the machine's load before and after, because the cores may be
-shared with other processes.
+(V4.1-shaped), DSpark speculation on / off, achieved bandwidth (from the decode steps measured
+above). The header records the date, versions, thread count and the machine's load before and after,
+because the cores may be shared with other processes.
 """
 
 from __future__ import annotations

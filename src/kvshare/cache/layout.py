@@ -17,8 +17,9 @@ Invariants (checked on construction, tested): regions are disjoint, aligned, ins
 and in layer order; ``bytes_per_block`` equals the end of the last region; only owners have
 regions; ``block_size % ratio == 0`` for every ratio in use. All sizes are Python ints (no
 overflow). Slack rows (speculative decoding: one per draft token, backbone rings only) let a
-verify step write rejected positions without overwriting rows a later step still reads. Consumers of these numbers must compute byte offsets in int64: ``block_id *
-bytes_per_block`` passes 2^32 at ~37.7k blocks of 113,920 B.
+verify step write rejected positions without overwriting rows a later step still reads.
+Consumers of these numbers must compute byte offsets in int64: ``block_id * bytes_per_block``
+passes 2^32 at ~37.7k blocks of 113,920 B.
 """
 
 from __future__ import annotations

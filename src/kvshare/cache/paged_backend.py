@@ -6,8 +6,8 @@ or per sequence.
 * ``history``: for each requested row (position p of sequence i) the window ``p-depth+1 .. p``;
   positions ``>= starts[i]`` come from this step's values, earlier ones from slot ``slots[i]``'s
   ring at ``q % rows`` (rows = depth + the layout's slack); ``q < 0`` is invalid (zeros, mask False).
-  The ring update (the last ``rows`` positions of each sequence) is deferred to ``end_step`` (or the next step), so several
-  calls for one (name, layer) in a step all read the pre-step ring.
+  The ring update (the last ``rows`` positions of each sequence) is deferred to ``end_step`` (or
+  the next step), so several calls for one (name, layer) in a step all read the pre-step ring.
 * compressed rows: row j of sequence i with ratio r is at block ``block_tables[i, (j*r)//B]``,
   row ``((j*r) % B)//r`` (``blocks.compressed_row_address``). Invalid entries (j < 0, or past the
   table) are redirected to the null block 0 and masked to zeros on read; -1 never indexes.

@@ -8,9 +8,9 @@ Cross-layer hand-offs live in a fresh `StepState` per forward.
 Parameter names equal DeepSeek's released checkpoint names (`embed.weight`, `layers.{L}.attn.*`,
 `layers.{L}.ffn.*`, `layers.{L}.{attn_norm,ffn_norm}.weight`, `layers.{L}.hc_{attn,ffn}_{fn,base,scale}`,
 `norm.weight`, `head.weight`, V4 `hc_head_{fn,base,scale}`, V4.1 `layers.{L}.engram.{wkv.weight,
-q_weight,k_weight}`). Draft (MTP / DSpark) layers are not
-built here (`model/dspark.py` attaches DSpark stages as ``mtp``; a target layer's input stream,
-after its Engram, is recorded into ``StepState.taps``).
+q_weight,k_weight}`). Draft (MTP / DSpark) layers are not built here (`model/dspark.py` attaches
+DSpark stages as ``mtp``; a target layer's input stream, after its Engram, is recorded into
+``StepState.taps``).
 
 Engram (V4.1, `model/engram.py`): the row ids of every Engram layer are hashed once per forward
 (before the embedding) from the step's tokens and ``batch.prev_tokens``; block L adds its Engram
