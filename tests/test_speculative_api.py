@@ -55,14 +55,15 @@ def test_cli_flag_maps_to_engine_args():
 
 def test_generate_prints_acceptance_summary():
     proc = subprocess.run([sys.executable, "-m", "kvshare", "generate", "ab", "--model", "tiny-v41-dspark",
-                           "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
+                           "--random-weights", "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
                            "--speculative-config", json.dumps(SPEC)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "speculation: " in proc.stderr and "drafted" in proc.stderr and "mean accepted length" in proc.stderr
 
 
 def test_generate_refuses_a_model_without_draft_stages(capsys):
-    assert main(["generate", "x", "--model", "tiny-v41", "--speculative-config", json.dumps(SPEC)]) != 0
+    args = ["generate", "x", "--model", "tiny-v41", "--random-weights", "--speculative-config", json.dumps(SPEC)]
+    assert main(args) != 0
     assert "no DSpark draft stages" in capsys.readouterr().err
 
 
