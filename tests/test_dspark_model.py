@@ -129,7 +129,7 @@ def test_draft_windows_hold_the_committed_context_after_speculation():
             u, _ = eng.speculator.draft.block_forward(eng.speculator.windows, *args, torch.tensor([seq.slot]))
             d, w, _, _ = dense_prefill(m, seq.tokens[:a])
             u_ref, _ = d.block_forward(w, *args, torch.tensor([0]))
-        assert (u - u_ref).abs().max().item() < 1e-9  # observed ~1e-15
+        assert (u - u_ref).abs().max().item() < 1e-12  # observed 0 (the same rows, the same ops)
         checked += 1
     st = eng.stats().extra
     assert checked >= 4 and st["spec_draft_tokens"] > st["spec_accepted_tokens"] > 0
