@@ -75,3 +75,16 @@ def test_metrics_expose_speculation_counters():
     assert "kvshare_engine_spec_draft_tokens_total 20" in text
     assert "kvshare_engine_spec_accepted_tokens_total 6" in text
     assert "kvshare_engine_spec_mean_accepted_length 2.5" in text
+
+
+def test_plan_counts_draft_windows_and_ring_slack(capsys):
+    """tiny-v41-dspark, K = 5: 2 stages x W = 8 rows of the 17-B FP8 window row (16 dims + scale);
+    slack 5 rows on each of the 6 backbone windows (17 B) and on layer 2's ratio-2 compressor ring
+    (kv and score, 16 fp32 each: 2 x 64 B per row)."""
+    assert main(["plan", "tiny-v41-dspark", "--speculative-tokens", "5", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["speculation"] == {"num_speculative_tokens": 5, "draft_window_bytes_per_seq": 2 * 8 * 17,
+                                   "slack_bytes_per_seq": 6 * 5 * 17 + 5 * 2 * 64}
+    assert main(["plan", "deepseek-v4.1-flash", "--speculative-tokens", "5", "--json"]) == 0
+    flash = json.loads(capsys.readouterr().out)["speculation"]
+    assert flash["draft_window_bytes_per_seq"] == 3 * 128 * 528  # 3 stages, W = 128, 528-B FP8 rows
