@@ -195,3 +195,26 @@ def test_release_shaped_mtp_names_on_meta_device():
     # the spec's 2,401 tensors.
     assert len(shapes) == 3 * 405 + 2 + 4
     assert len(shapes) + 3 * (8 + 384 + 1) + 1 == 2401
+
+
+def test_tap_on_an_engram_layer_is_taken_after_its_engram():
+    """tiny-v41-engram-dspark: target 4 is an Engram layer; the tap is the mean of the stream after
+    layer 4's Engram has been added (REF41 and SGLang; spec §4 Q1), not the stream entering block 4."""
+    m = Transformer(load_config("tiny-v41-engram-dspark"), quant=False)
+    attach_dspark(m)
+    m = m.init_weights(3).double().eval()
+    cfg = m.cfg
+    out: dict[str, torch.Tensor] = {}
+    h1 = m.layers[4].register_forward_pre_hook(lambda mod, args: out.__setitem__("block_in", args[0].mean(1)))
+    h2 = m.layers[4].engram.register_forward_hook(lambda mod, args, res: out.__setitem__("engram_out", res.mean(1)))
+    toks = prompt(9, seed=2)
+    state = StepState(taps={t: None for t in cfg.dspark_target_layer_ids})
+    try:
+        with torch.inference_mode():
+            m(torch.tensor(toks), StepBatch.build([0], [len(toks)], [0]), DenseCache(cfg, m.topo, 1, 16,
+                                                                                 dtype=torch.float64), state)
+    finally:
+        h1.remove()
+        h2.remove()
+    assert torch.equal(state.taps[4], out["engram_out"])
+    assert (state.taps[4] - out["block_in"]).abs().max().item() > 1e-3  # the Engram contribution is live

@@ -30,16 +30,18 @@ LOGIT_TOL = 1e-9
 _CACHE: dict = {}
 
 
-def model_and_prompts():
-    if not _CACHE:
-        cfg = load_config("tiny-v41-dspark")
+def model_and_prompts(name: str = "tiny-v41-dspark"):
+    """(model, prompts, plain greedy continuations) of a DSpark config, built once per session.
+    tiny-v41-engram-dspark adds Engram at layers 1 and 4 (4 is also a DSpark target)."""
+    if name not in _CACHE:
+        cfg = load_config(name)
         m = Transformer(cfg, quant=True)
         attach_dspark(m)
         m = m.init_weights(1).double().eval()
         rng = random.Random(13)
         prompts = [[rng.randrange(cfg.vocab_size - 1) for _ in range(n)] for n in PROMPT_LENS]
-        _CACHE["m"] = (m, prompts, [greedy_reference(m, p, MAX_TOKENS + 6) for p in prompts])
-    return _CACHE["m"]
+        _CACHE[name] = (m, prompts, [greedy_reference(m, p, MAX_TOKENS + 6) for p in prompts])
+    return _CACHE[name]
 
 
 @torch.inference_mode()
@@ -58,7 +60,9 @@ def greedy_reference(model: Transformer, prompt: list[int], n: int) -> list[int]
     while len(out) < n:
         out.append(int(logits[-1].argmax()))
         toks.append(out[-1])
-        logits = model(torch.tensor([out[-1]]), StepBatch.build([len(toks) - 1], [1], [0]), cache)
+        back = toks[max(0, len(toks) - 1 - model.engram_lookback):-1]  # Engram's look-back ids
+        batch = StepBatch.build([len(toks) - 1], [1], [0], prev_tokens=[back])
+        logits = model(torch.tensor([out[-1]]), batch, cache)
     return out
 
 
@@ -97,12 +101,13 @@ def oracle(refs, prompts, agree: int, vocab: int):
     return draft
 
 
+@pytest.mark.parametrize("name", ["tiny-v41-dspark", "tiny-v41-engram-dspark"])
 @pytest.mark.parametrize("agree", [None, 0, 2, 5])
 @pytest.mark.parametrize("budget,num_blocks", [(7, 8), (64, 40)])
-def test_speculative_greedy_equals_plain_greedy(agree, budget, num_blocks):
+def test_speculative_greedy_equals_plain_greedy(agree, budget, num_blocks, name):
     """Token for token, with the DSpark drafter (None) or an oracle agreeing for `agree` tokens;
     budget 7 + 7 usable blocks of 8 forces chunked prefill and preemption during speculation."""
-    model, prompts, refs = model_and_prompts()
+    model, prompts, refs = model_and_prompts(name)
     override = None if agree is None else oracle(refs, prompts, agree, model.cfg.vocab_size)
     done, eng = run(model, prompts, override=override, block_size=8, num_blocks=num_blocks,
                     max_num_seqs=4, max_num_batched_tokens=budget)
@@ -116,10 +121,12 @@ def test_speculative_greedy_equals_plain_greedy(agree, budget, num_blocks):
         assert st.extra["spec_accepted_tokens"] > 0
 
 
-def test_next_token_logits_equal_fresh_prefill_after_every_step():
+@pytest.mark.parametrize("name", ["tiny-v41-dspark", "tiny-v41-engram-dspark"])
+def test_next_token_logits_equal_fresh_prefill_after_every_step(name):
     """After each step, the row behind every new anchor equals a fresh prefill of the committed
-    tokens (rejected rows left no trace in rings, compressor states, draft windows or blocks)."""
-    model, prompts, refs = model_and_prompts()
+    tokens (rejected rows left no trace in rings, compressor states, the Engram look-back, draft
+    windows or blocks)."""
+    model, prompts, refs = model_and_prompts(name)
     worst = [0.0]
 
     def check(eng, seqs, outs):
