@@ -43,6 +43,7 @@ class EngineArgs:
     seed: int | None = None
     chunked_prefill: bool = True
     engram_table: str = "mmap"
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

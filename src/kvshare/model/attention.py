@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.layer, self.ratio = layer, plan.ratio
         d, h, blk = cfg.head_dim, cfg.num_attention_heads, cfg.act_quant_block
         self.n_heads, self.head_dim = h, d
+        self.n_groups = cfg.o_groups  # heads and groups held here (tensor parallelism shards both)
         self.wq_a = QLinear(cfg.hidden_size, cfg.q_lora_rank, mode, blk)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = QLinear(cfg.q_lora_rank, h * d, mode, blk)
@@ -80,7 +81,7 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, win, win_valid, self.attn_sink, self.head_dim**-0.5)
         o = rope.rotate(o, pos, inverse=True)
-        g = self.cfg.o_groups
+        g = self.n_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
         u = torch.einsum("tgi,goi->tgo", o.reshape(t, g, -1), wo_a).flatten(1)
         return self.wo_b(u)
