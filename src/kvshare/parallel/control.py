@@ -35,6 +35,7 @@ class Step:
     input_ids: torch.Tensor
     batch: StepBatch
     resets: list[int]
+    threads: int  # rank 0's intra-op thread count: replicated maths must round alike on every rank
 
 
 def moved(batch: StepBatch, device: torch.device | str) -> StepBatch:
@@ -83,6 +84,8 @@ def worker_loop(engine: Any, size: int) -> None:
         if msg == DIGEST:
             gather_digests(pool, size)
             continue
+        if torch.get_num_threads() != msg.threads:
+            torch.set_num_threads(msg.threads)
         with torch.inference_mode():
             if msg.resets:
                 pool.reset_slots(torch.tensor(msg.resets, dtype=torch.int64, device=pool.device))

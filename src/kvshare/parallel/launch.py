@@ -73,7 +73,7 @@ class TPHandle:
         self.pool = engine.pool
 
     def _send_step(self, input_ids: torch.Tensor, batch: Any) -> None:
-        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._resets)
+        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._resets, torch.get_num_threads())
         self._resets = []
         self._guard(control.send, step)
 

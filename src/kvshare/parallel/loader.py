@@ -39,13 +39,13 @@ def read_rank_state(path: str | Path, cfg: ModelConfig, plan: ShardPlan) -> dict
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
     names = [n for n in where if _skip_kind(n, cfg) is None]
-    if detect_naming(names) != NAMINGS[0]:
-        log.info("checkpoint %s is not in the released naming: reading it whole, then narrowing", path)
-        return plan.shard_state(load_checkpoint(path, cfg))
     present = dict.fromkeys(names)
     scales = {o: n for n in names if (o := _scale_owner(n, present)) is not None
               and where[o].get_slice(o).get_dtype() not in _PLAIN}
     scale_names = set(scales.values())
+    if detect_naming([n for n in names if n not in scale_names]) != NAMINGS[0]:
+        log.info("checkpoint %s is not in the released naming: reading it whole, then narrowing", path)
+        return plan.shard_state(load_checkpoint(path, cfg))
     block = _weight_block(cfg)
     out: dict[str, torch.Tensor] = {}
     for name in names:
