@@ -34,6 +34,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--memory", type=parse_bytes, default=None, help="cache memory budget, e.g. 80GiB")
     p.add_argument("--max-seqs", type=positive_int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--no-share", action="store_true", help="plan without cross-layer sharing")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=positive_int, default=1,
+                   help="show weight, cache and Engram bytes per rank for N tensor-parallel ranks (default 1)")
+    p.add_argument("--weight-bytes", type=positive_int, default=2,
+                   help="bytes per weight parameter as the engine holds them (default 2: bf16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -66,6 +70,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan as a JSON-able dict; numbers come from the CacheLayout."""
     from kvshare.cache.layout import CacheLayout
     from kvshare.config import load_config
+    from kvshare.parallel.plan import rank_plan, raw_config
     from kvshare.topology import Topology
 
     cfg = load_config(args.config)
@@ -81,6 +86,8 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layers": [_layer_row(p, layout) for p in topo.layers],
         "layout": layout.to_dict(args.memory, args.max_seqs),
         "weights": weight_bytes(cfg),
+        "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2),
+                                     raw_config(args.config)),
     }
 
 
@@ -166,6 +173,23 @@ def _print_rich(plan: dict[str, Any]) -> None:
         r.add_row(str(reg["owner"]), reg["kind"], f"{reg['offset']:,}", f"{reg['end']:,}", str(reg["rows"]),
                   str(reg["row_bytes"]))
     console.print(r)
+    _print_ranks(console, plan)
+
+
+def _print_ranks(console: Any, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    tp, lay = plan["tensor_parallel"], plan["layout"]
+    t = Table(title=f"per rank, tensor parallel x{tp['size']} (weights at {tp['bytes_per_param']} B/param; "
+                    "caches replicated on every rank)", title_justify="left")
+    for col in ("rank", "weight params", "weight bytes", "cache bytes per token", "state per sequence",
+                "Engram rows", "Engram bytes"):
+        t.add_column(col, justify="right")
+    for r in tp["ranks"]:
+        t.add_row(str(r["rank"]), f"{r['weight_params']:,}", _fmt_bytes(r["weight_bytes"]),
+                  _fmt_bytes(lay["bytes_per_token"]), _fmt_bytes(lay["state_bytes_per_seq"]),
+                  f"{r['engram_rows']:,}", _fmt_bytes(r["engram_bytes"]))
+    console.print(t)
 
 
 def run(args: argparse.Namespace) -> int:

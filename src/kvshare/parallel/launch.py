@@ -38,7 +38,9 @@ JOIN_TIMEOUT_S = 10.0
 
 
 class TPWorkerError(KVShareError, RuntimeError):
-    """A tensor-parallel worker failed or exited; the engine is stopped."""
+    """A tensor-parallel worker failed or exited; the engine is stopped (no request is at fault)."""
+
+    engine_fatal = True
 
 
 class TPHandle:
