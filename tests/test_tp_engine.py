@@ -84,3 +84,18 @@ def test_worker_failure_stops_the_engine() -> None:
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
     time.sleep(0.1)
     assert not mp.active_children()
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_same_code() -> None:
+    """`torchrun --nproc-per-node 2 -m kvshare generate --tp 2` prints what a single process prints."""
+    import subprocess
+    import sys
+
+    args = ["generate", "--model", "tiny-v41", "--random-weights", "--no-quantize", "--max-tokens", "10",
+            "--temperature", "0", "hello"]
+    one = subprocess.run([sys.executable, "-m", "kvshare", *args], capture_output=True, text=True, timeout=120)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kvshare", *args, "--tp", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout.splitlines()[0] == one.stdout.splitlines()[0]  # the completion; timings differ
