@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from kvshare.config import load_config
 from kvshare.errors import KVShareError
 from kvshare.parallel import control
 from kvshare.parallel.group import TPGroup, destroy_group, free_port, init_group, launched_by_torchrun
-from kvshare.parallel.loader import load_rank_model
+from kvshare.parallel.loader import load_rank_model, resolve_model
+from kvshare.parallel.shard import check_divisible
 
 JOIN_TIMEOUT_S = 10.0
 
@@ -157,6 +159,9 @@ def _worker_main(rank: int, size: int, init_method: str, model: Any, args: Any, 
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         sys.exit(1)
     destroy_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it ("terminate called ...")
 
 
 def _serve(group: TPGroup, model: Any, args: Any) -> None:
@@ -171,6 +176,10 @@ def _serve(group: TPGroup, model: Any, args: Any) -> None:
 def start(model: Any, args: Any) -> tuple[TPHandle | None, Any]:
     """Start the group for an engine (see module doc): (rank 0's handle, rank 0's shard)."""
     size = args.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if isinstance(model, (str, type(None))):  # refuse an indivisible config before spawning anything
+        check_divisible(load_config(str(resolve_model(model or "kvshare-mini-v41"))), size)
     if launched_by_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:

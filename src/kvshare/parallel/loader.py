@@ -24,6 +24,7 @@ from kvshare.config import ModelConfig, load_config
 from kvshare.engine.args import resolve_device, resolve_dtype
 from kvshare.errors import CheckpointError
 from kvshare.model import weights_quant as wq
+from kvshare.model.checkpoint_files import refuse_pickle_only
 from kvshare.model.hf_naming import NAMINGS, detect_naming
 from kvshare.model.loader import (_scale_owner, _skip_kind, _weight_block, checkpoint_files, has_weights,
                                   load_checkpoint, load_model, load_state_into)
@@ -95,11 +96,18 @@ def _decode(name: str, w: torch.Tensor, s: torch.Tensor, block: tuple[int, int])
     return w
 
 
+def resolve_model(model: str | Path) -> Path:
+    """The path `load_model` reads for `model`: a shipped model's directory, else `model` itself."""
+    from kvshare.shipped import shipped_model_dir
+
+    p = Path(model)
+    return p if p.exists() else shipped_model_dir(str(model)) or p
+
+
 def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     """This rank's shard of `model` (a Transformer, or a name / path `load_model` accepts)."""
     from kvshare.model.deepseek import Transformer
     from kvshare.model.rope import RotaryEmbedding
-    from kvshare.shipped import shipped_model_dir
 
     model = model if model is not None else "kvshare-mini-v41"
     device = resolve_device(args.device)
@@ -111,10 +119,10 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
         if args.quantize is not None:
             m.set_quant(args.quantize)
         return apply_tp(m, group).to(device=device, dtype=dtype).eval()
-    p = Path(model)
-    shipped = None if p.exists() else shipped_model_dir(str(model))
-    p = shipped or p
+    p = resolve_model(model)
     weights_dir = p if p.is_dir() else (p.parent if p.is_file() else None)
+    if weights_dir is not None:
+        refuse_pickle_only(weights_dir)
     if weights_dir is None or not has_weights(weights_dir):
         return apply_tp(load_model(model, dtype=dtype, device=device, quant=quant), group)
     cfg = load_config(str(p))

@@ -97,11 +97,15 @@ def rank_plan(cfg: ModelConfig, size: int, bytes_per_param: int, raw: dict[str, 
             "engram_row_bytes": row_bytes, "ranks": ranks}
 
 
-def raw_config(source: str) -> dict[str, Any]:
-    """The config file's dict (for fields ModelConfig does not keep), or {} when it cannot be read."""
+def raw_config(source: Any) -> dict[str, Any]:
+    """The config's raw dict (for fields ModelConfig does not keep): `source` itself when it is a dict,
+    else the file it names; {} when there is none."""
+    from kvshare.errors import ConfigError
     from kvshare.shipped import resolve_config_path
 
+    if isinstance(source, dict):
+        return source
     try:
-        return json.loads(resolve_config_path(source).read_text())
-    except (OSError, ValueError):
+        return json.loads(resolve_config_path(str(source)).read_text())
+    except (OSError, ValueError, ConfigError):
         return {}
