@@ -18,7 +18,7 @@ from kvshare.errors import ConfigError
 from kvshare.parallel.group import free_port
 from kvshare.parallel.shard import ShardPlan, check_divisible
 
-MODELS = ["tiny-v4", "tiny-v41"]
+MODELS = ["tiny-v4", "tiny-v41", "tiny-v41-engram"]
 
 
 def test_divisibility_errors_name_the_field() -> None:
@@ -59,7 +59,7 @@ def test_in_process_tp2_matches_tp1(name: str) -> None:
     ranks = tp_util.threads_tp(name, 2)
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
     err = (ranks[0]["logits"] - full).abs().max().item()
-    assert err < 1e-5, err  # the bound; observed 4.6e-6 (v4), 3.2e-6 (v41), |logits| up to 4.3
+    assert err < 1e-5, err  # the bound; observed 4.6e-6 (v4), 3.2e-6 (v41), 4.0e-6 (engram), |logits| ~4
     assert torch.equal(ranks[0]["logits"].argmax(-1), full.argmax(-1))
 
 

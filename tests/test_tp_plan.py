@@ -13,26 +13,6 @@ from kvshare.cli import main
 L, H, HD, QL, G, OL, D, E, I, V = 40, 64, 512, 1280, 8, 1024, 5120, 384, 2304, 129280
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    f = 3
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 2
-    return True
-
-
-def _primes_after(start: int, count: int) -> list[int]:
-    out, n = [], start + 1
-    while len(out) < count:
-        if _is_prime(n):
-            out.append(n)
-        n += 1
-    return out
-
-
 def _plan(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     assert main(["plan", "deepseek-v4.1-flash", "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
@@ -48,14 +28,9 @@ def test_plan_tp8_per_rank_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     per_rank = total - sharded + sharded // 8
     assert [r["weight_params"] for r in tp["ranks"]] == [per_rank] * 8
     assert tp["ranks"][0]["weight_bytes"] == 2 * per_rank  # bf16
-    # Engram: 24 hash columns per layer (2 layers); layer 1 takes the 24 primes above 15,999,999, layer 14
-    # the next 24 (spec engram_dspark.md §1.1: sums 384,006,168 and 384,016,682); rank r owns 3 columns of each.
-    primes = _primes_after(15_999_999, 48)
-    assert sum(primes[:24]) == 384_006_168 and sum(primes[24:]) == 384_016_682
-    rows = [sum(primes[3 * r:3 * r + 3]) + sum(primes[24 + 3 * r:24 + 3 * r + 3]) for r in range(8)]
-    assert [r["engram_rows"] for r in tp["ranks"]] == rows
-    assert rows[0] == 16000057 + 16000079 + 16000081 + sum(primes[24:27])
-    assert [r["engram_bytes"] for r in tp["ranks"]] == [n * (256 + 8) for n in rows]  # FP8 row + 8 ue8m0 scales
+    # Engram tables are replicated (host memory): rows 384,006,168 + 384,016,682 (engram_dspark.md §1.1),
+    # each 256 FP8 bytes + 8 ue8m0 scales.
+    assert [r["engram_table_bytes"] for r in tp["ranks"]] == [(384_006_168 + 384_016_682) * 264] * 8
     # Caches are replicated: the per-rank cache figures are TP=1's.
     assert plan["layout"] == _plan(capsys)["layout"]
 
@@ -63,7 +38,7 @@ def test_plan_tp8_per_rank_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_tp1_holds_everything(capsys: pytest.CaptureFixture[str]) -> None:
     tp = _plan(capsys)["tensor_parallel"]
     assert tp["ranks"][0]["weight_params"] == tp["total_weight_params"]
-    assert tp["ranks"][0]["engram_rows"] == 384_006_168 + 384_016_682
+    assert tp["ranks"][0]["engram_table_bytes"] == (384_006_168 + 384_016_682) * 264
 
 
 def test_plan_tp_must_divide(capsys: pytest.CaptureFixture[str]) -> None:

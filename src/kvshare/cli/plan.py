@@ -70,7 +70,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan as a JSON-able dict; numbers come from the CacheLayout."""
     from kvshare.cache.layout import CacheLayout
     from kvshare.config import load_config
-    from kvshare.parallel.plan import rank_plan, raw_config
+    from kvshare.parallel.plan import rank_plan
     from kvshare.topology import Topology
 
     cfg = load_config(args.config)
@@ -86,8 +86,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layers": [_layer_row(p, layout) for p in topo.layers],
         "layout": layout.to_dict(args.memory, args.max_seqs),
         "weights": weight_bytes(cfg),
-        "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2),
-                                     raw_config(args.config)),
+        "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2)),
     }
 
 
@@ -173,7 +172,8 @@ def _print_rich(plan: dict[str, Any]) -> None:
         r.add_row(str(reg["owner"]), reg["kind"], f"{reg['offset']:,}", f"{reg['end']:,}", str(reg["rows"]),
                   str(reg["row_bytes"]))
     console.print(r)
-    _print_ranks(console, plan)
+    if plan["tensor_parallel"]["size"] > 1:
+        _print_ranks(console, plan)
 
 
 def _print_ranks(console: Any, plan: dict[str, Any]) -> None:
@@ -183,12 +183,12 @@ def _print_ranks(console: Any, plan: dict[str, Any]) -> None:
     t = Table(title=f"per rank, tensor parallel x{tp['size']} (weights at {tp['bytes_per_param']} B/param; "
                     "caches replicated on every rank)", title_justify="left")
     for col in ("rank", "weight params", "weight bytes", "cache bytes per token", "state per sequence",
-                "Engram rows", "Engram bytes"):
+                "Engram tables (host, replicated)"):
         t.add_column(col, justify="right")
     for r in tp["ranks"]:
         t.add_row(str(r["rank"]), f"{r['weight_params']:,}", _fmt_bytes(r["weight_bytes"]),
                   _fmt_bytes(lay["bytes_per_token"]), _fmt_bytes(lay["state_bytes_per_seq"]),
-                  f"{r['engram_rows']:,}", _fmt_bytes(r["engram_bytes"]))
+                  _fmt_bytes(r["engram_table_bytes"]))
     console.print(t)
 
 

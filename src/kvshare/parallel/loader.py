@@ -3,15 +3,17 @@
 `load_rank_model(model, args, group)`:
 - a built model (a `Transformer`): a copy is sharded with `apply_tp` (the caller's model is untouched);
 - a checkpoint directory (or a shipped model with weights) in the released naming: the model is built
-  on the meta device, given this rank's shapes, and filled by `read_rank_state`, which reads each
+  on the meta device (on the CPU for Engram models), given this rank's shapes, and filled by `read_rank_state`, which reads each
   sharded tensor with ``safe_open(...).get_slice`` (and the matching rows of an FP8 weight's block
   scale), skips the routed experts of other ranks and reads replicated tensors whole;
 - a checkpoint in another naming (transformers'): the whole checkpoint is read, then narrowed;
 - a config name or file without weights: the full model is initialised (`init_weights`), then sharded.
+Engram (V4.1) is replicated: every rank hashes the same ids and maps the whole host tables.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from pathlib import Path
@@ -26,8 +28,9 @@ from kvshare.errors import CheckpointError
 from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import refuse_pickle_only
 from kvshare.model.hf_naming import NAMINGS, detect_naming
-from kvshare.model.loader import (_scale_owner, _skip_kind, _weight_block, checkpoint_files, has_weights,
-                                  load_checkpoint, load_model, load_state_into)
+from kvshare.model.engram_table import is_table_name
+from kvshare.model.loader import (_scale_owner, _skip_kind, _weight_block, checkpoint_files, engram_tables,
+                                  has_weights, load_checkpoint, load_model, load_state_into)
 from kvshare.parallel.shard import ShardPlan, apply_tp, check_divisible, restructure
 
 log = logging.getLogger(__name__)
@@ -39,7 +42,7 @@ def read_rank_state(path: str | Path, cfg: ModelConfig, plan: ShardPlan) -> dict
     files = checkpoint_files(path)
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
-    names = [n for n in where if _skip_kind(n, cfg) is None]
+    names = [n for n in where if _skip_kind(n, cfg) is None and not is_table_name(n)]  # tables: mapped, not read
     present = dict.fromkeys(names)
     scales = {o: n for n in names if (o := _scale_owner(n, present)) is not None
               and where[o].get_slice(o).get_dtype() not in _PLAIN}
@@ -107,7 +110,9 @@ def resolve_model(model: str | Path) -> Path:
 def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     """This rank's shard of `model` (a Transformer, or a name / path `load_model` accepts)."""
     from kvshare.model.deepseek import Transformer
+    from kvshare.model.engram import engram_hasher
     from kvshare.model.rope import RotaryEmbedding
+    from kvshare.tokenizer import load_tokenizer
 
     model = model if model is not None else "kvshare-mini-v41"
     device = resolve_device(args.device)
@@ -124,16 +129,22 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     if weights_dir is not None:
         refuse_pickle_only(weights_dir)
     if weights_dir is None or not has_weights(weights_dir):
-        return apply_tp(load_model(model, dtype=dtype, device=device, quant=quant), group)
+        return apply_tp(load_model(model, dtype=dtype, device=device, quant=quant, engram_table=args.engram_table),
+                        group)
     cfg = load_config(str(p))
     plan = ShardPlan(cfg, group.rank, group.size)
-    with torch.device("meta"):
-        m = Transformer(cfg, quant=quant)
+    tokenizer = load_tokenizer(str(p)) if cfg.engram_layer_ids else None
+    # The Engram hasher needs real tensors while it is built, so Engram models get a CPU skeleton.
+    with torch.device("meta") if not cfg.engram_layer_ids else contextlib.nullcontext():
+        m = Transformer(cfg, quant=quant, tokenizer=tokenizer)
     check_divisible(cfg, group.size, act_quant=m.quant.act)
     restructure(m, plan, group)
     m.to_empty(device="cpu")
-    rd = cfg.qk_rope_head_dim  # non-persistent buffers were not materialised on meta: rebuild them
+    rd = cfg.qk_rope_head_dim  # what the constructor computed was not materialised on meta: rebuild it
     m.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
     m.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
     load_state_into(m, read_rank_state(weights_dir, cfg, plan))
+    if cfg.engram_layer_ids:  # replicated: every rank maps the whole host tables
+        m.engram_hash = engram_hasher(cfg, tokenizer)
+        m.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, args.engram_table))
     return m.to(device=device, dtype=dtype).eval()

@@ -9,8 +9,8 @@ Sharded (rank r of n holds the r-th contiguous 1/n):
   the shared expert is replicated and added after the reduce);
 - ``embed`` and ``head`` by vocabulary rows.
 Everything else is replicated: ``wq_a``, ``wkv``, norms, mHC, compressors, the indexer (so top-k
-equals TP=1's), the router, and every cache. Engram is not sharded: the model has no Engram layers
-(configs with them are refused when the model is built).
+equals TP=1's), the router, every cache, and Engram (its `wkv` and gates; every rank maps the
+whole host tables; splitting them by hash columns is not implemented).
 
 `apply_tp(model, group)` shards a built (loaded) model in place: module shapes change, parameter
 names stay the released checkpoint names except that a rank's experts are numbered from 0.
