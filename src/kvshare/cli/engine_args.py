@@ -60,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler's random stream (generate and chat also seed their request "
                         "with it, so a run is reproducible); random weights always use the model's fixed seed")
+    g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=positive_int, default=None,
+                   help="shard the model over N processes on this machine (gloo on CPU, NCCL on CUDA); under "
+                        "torchrun, N must equal its process count (default 1)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op CPU threads (default: 1 for models under 100M parameters, whose ops "
                         "are too small to gain from threads, else torch's default)")
@@ -81,6 +84,7 @@ _ENGINE_KEYS = {
     "seed": "seed",
     "engram_table": "engram_table",
     "speculative_config": "speculative_config",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 

@@ -37,6 +37,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="plan for DSpark speculation with K drafts per step: one slack row per draft in every "
                         "backbone window and compressor ring (default 0: no speculation)")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=positive_int, default=1,
+                   help="show weight, cache and Engram bytes per rank for N tensor-parallel ranks (default 1)")
+    p.add_argument("--weight-bytes", type=positive_int, default=2,
+                   help="bytes per weight parameter as the engine holds them (default 2: bf16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -69,6 +73,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan as a JSON-able dict; numbers come from the CacheLayout."""
     from kvshare.cache.layout import CacheLayout
     from kvshare.config import load_config
+    from kvshare.parallel.plan import rank_plan
     from kvshare.topology import Topology
 
     cfg = load_config(args.config)
@@ -86,6 +91,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layers": [_layer_row(p, layout) for p in topo.layers],
         "layout": layout.to_dict(args.memory, args.max_seqs),
         "weights": weight_bytes(cfg),
+        "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2)),
     }
     if k:
         plain = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
@@ -186,6 +192,24 @@ def _print_rich(plan: dict[str, Any]) -> None:
         r.add_row(str(reg["owner"]), reg["kind"], f"{reg['offset']:,}", f"{reg['end']:,}", str(reg["rows"]),
                   str(reg["row_bytes"]))
     console.print(r)
+    if plan["tensor_parallel"]["size"] > 1:
+        _print_ranks(console, plan)
+
+
+def _print_ranks(console: Any, plan: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    tp, lay = plan["tensor_parallel"], plan["layout"]
+    t = Table(title=f"per rank, tensor parallel x{tp['size']} (weights at {tp['bytes_per_param']} B/param; "
+                    "caches replicated on every rank)", title_justify="left")
+    for col in ("rank", "weight params", "weight bytes", "cache bytes per token", "state per sequence",
+                "Engram tables (host, replicated)"):
+        t.add_column(col, justify="right")
+    for r in tp["ranks"]:
+        t.add_row(str(r["rank"]), f"{r['weight_params']:,}", _fmt_bytes(r["weight_bytes"]),
+                  _fmt_bytes(lay["bytes_per_token"]), _fmt_bytes(lay["state_bytes_per_seq"]),
+                  _fmt_bytes(r["engram_table_bytes"]))
+    console.print(t)
 
 
 def run(args: argparse.Namespace) -> int:

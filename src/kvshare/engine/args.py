@@ -44,6 +44,7 @@ class EngineArgs:
     chunked_prefill: bool = True
     engram_table: str = "mmap"
     speculative_config: dict | str | None = None  # {"method": "dspark", "num_speculative_tokens": 5}
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

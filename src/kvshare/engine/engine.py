@@ -36,6 +36,15 @@ class LLMEngine:
     def __init__(self, model: Any = None, tokenizer: Any = None, args: EngineArgs | None = None,
                  **engine_args: Any) -> None:
         self.args = args = dataclasses.replace(args or EngineArgs(), **engine_args)
+        self.tp = None  # kvshare.parallel.launch.TPHandle on rank 0 of a tensor-parallel engine
+        if args.tensor_parallel_size != 1 and args.speculative_config is not None:
+            # The speculator runs its own draft and verify forwards, which the TP workers do not replay.
+            raise SetupError("--speculative-config cannot be combined with --tensor-parallel-size > 1 yet; "
+                             "drop one of them")
+        if args.tensor_parallel_size != 1:
+            from kvshare.parallel.launch import start
+
+            self.tp, model = start(model, args)
         model = self._load(model, args)
         self.model = model
         self.cfg = model.cfg
@@ -76,6 +85,13 @@ class LLMEngine:
             from kvshare.engine.spec_config import SpeculativeConfig
 
             self.speculator = Speculator(self, SpeculativeConfig.parse(args.speculative_config))
+        if self.tp is not None:
+            self.tp.attach(self)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _reset_slot(self, slot: int) -> None:
         """A recycled request slot starts with zeroed rings (spec/cache.md §9.6)."""

@@ -57,6 +57,8 @@ def run_isolated(run: Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[
         try:
             logits, sampling = run(group)
         except Exception as e:  # noqa: BLE001 - any failure is contained to this group
+            if getattr(e, "engine_fatal", False):  # e.g. a lost tensor-parallel worker: no request's fault
+                raise
             if len(group) == 1:
                 suspects.discard(group[0].seq.request_id)
                 out.failed.append((group[0].seq, e))

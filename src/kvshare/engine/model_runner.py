@@ -9,6 +9,7 @@ last token of every chunk that samples, in chunk order.
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,8 @@ class ModelRunner:
         self.backend = backend
         self.blocks = blocks
         self.device = torch.device(device)
+        # Called with (input_ids, batch) before each forward (tensor parallelism sends them to the workers).
+        self.before_forward: Callable[[torch.Tensor, StepBatch], None] | None = None
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepBatch, list[int]]:
         """(input_ids [T], batch, indices of the chunks that sample)."""
@@ -47,15 +50,22 @@ class ModelRunner:
         return input_ids, batch, sampling
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
-        input_ids, batch, sampling = self.build_batch(chunks)
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """One model forward over the cache, then the backend's end-of-step updates; the model's logits."""
         try:
-            logits = self.model(input_ids, batch, self.backend)
+            return self.model(input_ids, batch, self.backend)
         finally:
             end = getattr(self.backend, "end_step", None)
             if end is not None:
                 end()  # deferred ring updates, inside inference mode like the rings themselves
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
+        input_ids, batch, sampling = self.build_batch(chunks)
+        if self.before_forward is not None:
+            self.before_forward(input_ids, batch)
+        logits = self.forward(input_ids, batch)
         if len(sampling) != len(chunks):
             logits = logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=logits.device))
         return logits.float(), sampling

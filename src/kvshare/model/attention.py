@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.layer, self.ratio = layer, plan.ratio
         d, h, blk = cfg.head_dim, cfg.num_attention_heads, cfg.act_quant_block
         self.n_heads, self.head_dim = h, d
+        self.n_groups = cfg.o_groups  # heads and groups held here (tensor parallelism shards both)
         self.wq_a = QLinear(cfg.hidden_size, cfg.q_lora_rank, mode, blk)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = QLinear(cfg.q_lora_rank, h * d, mode, blk)
@@ -84,7 +85,7 @@ class Attention(nn.Module):
     def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
         """Inverse RoPE at the query positions, then grouped ``wo_a`` and ``wo_b`` ([T, H, d] -> [T, D])."""
         o = rope.rotate(o, pos, inverse=True)
-        g = self.cfg.o_groups
+        g = self.n_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
         u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], g, -1), wo_a).flatten(1)
         return self.wo_b(u)

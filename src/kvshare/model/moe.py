@@ -18,6 +18,8 @@ Checkpoint names: ``gate.weight``, ``gate.bias`` (non-hash), ``gate.tid2eid`` (V
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,20 +99,26 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, lim, mode, blk)
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, inter, lim, mode, blk)
+        # Expert parallelism (kvshare.parallel): `experts` holds ids [expert_offset, +len) and
+        # `reduce` sums the routed outputs over ranks before the shared expert is added.
+        self.expert_offset = 0
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.gate.cfg.num_experts_per_tok
         weights, ids = self.gate(x, input_ids)
         flat, flat_w = ids.flatten(), weights.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.gate.cfg.n_routed_experts).tolist()
         slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
+        start, lo, hi = 0, self.expert_offset, self.expert_offset + len(self.experts)
         for e, n in enumerate(counts):
-            if n:
+            if n and lo <= e < hi:
                 sel = order[start:start + n]
                 rows = torch.div(sel, k, rounding_mode="floor")
-                slots[sel] = self.experts[e](x[rows], flat_w[sel]).to(x.dtype)
-                start += n
+                slots[sel] = self.experts[e - lo](x[rows], flat_w[sel]).to(x.dtype)
+            start += n
         routed = wide(slots.view(t, k, -1)).sum(dim=1)
+        if self.reduce is not None:
+            routed = self.reduce(routed)
         return (routed + wide(self.shared_experts(x))).to(x.dtype)

@@ -1,0 +1,92 @@
+"""Control plane of a tensor-parallel engine: rank 0 decides, workers replay.
+
+Rank 0 runs the whole `LLMEngine` (scheduler, block manager, sampler). Before each forward it
+broadcasts a `Step`: the flat token ids, the `StepBatch` (positions, slots, block tables, logit
+rows...) and the request slots whose rings were zeroed since the last step. A worker holds the same
+replicated cache (an engine built from the same arguments, whose scheduler it never uses), applies
+the slot resets, runs the same forward (the model's collectives pair up with rank 0's) and the
+backend's end-of-step updates. Workers make no decision of their own, so they cannot diverge.
+
+Other messages: ``"digest"`` (every rank returns a SHA-256 of its block pool and rings, gathered
+on rank 0, to check the replicas) and ``"stop"`` (workers leave their loop). Messages travel with
+``dist.broadcast_object_list`` as CPU tensors; each rank moves them to its own device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvshare.runtime import StepBatch
+
+STOP = "stop"
+DIGEST = "digest"
+
+
+@dataclass
+class Step:
+    """One forward step as rank 0 scheduled it."""
+
+    input_ids: torch.Tensor
+    batch: StepBatch
+    resets: list[int]
+    threads: int  # rank 0's intra-op thread count: replicated maths must round alike on every rank
+
+
+def moved(batch: StepBatch, device: torch.device | str) -> StepBatch:
+    """`batch` with every tensor on `device`."""
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
+                                         for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def send(message: Any) -> None:
+    """Rank 0: broadcast one message to every worker."""
+    dist.broadcast_object_list([message], src=0)
+
+
+def receive() -> Any:
+    """Worker: the next message from rank 0 (blocks until it comes)."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def pool_digest(pool: Any) -> str:
+    """SHA-256 over the pool's block tensor and every ring (in key order)."""
+    h = hashlib.sha256()
+    tensors = [("blocks", pool.blocks)] + [(repr(k), pool.rings[k]) for k in sorted(pool.rings)]
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def gather_digests(pool: Any, size: int) -> list[str]:
+    """Every rank's `pool_digest`, in rank order (a collective: all ranks call it)."""
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, pool_digest(pool))
+    return out
+
+
+def worker_loop(engine: Any, size: int) -> None:
+    """Replay rank 0's steps on this worker's engine until rank 0 says stop."""
+    runner, pool = engine.runner, engine.pool
+    while True:
+        msg = receive()
+        if msg == STOP:
+            return
+        if msg == DIGEST:
+            gather_digests(pool, size)
+            continue
+        if torch.get_num_threads() != msg.threads:
+            torch.set_num_threads(msg.threads)
+        with torch.inference_mode():
+            if msg.resets:
+                pool.reset_slots(torch.tensor(msg.resets, dtype=torch.int64, device=pool.device))
+            runner.forward(msg.input_ids.to(runner.device), moved(msg.batch, runner.device))

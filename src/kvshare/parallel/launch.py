@@ -1,0 +1,216 @@
+"""Starting, watching and stopping the tensor-parallel ranks of one engine.
+
+`start(model, args)` is called by `LLMEngine` when ``args.tensor_parallel_size > 1``:
+- started normally (one process): it spawns ranks 1..N-1 on this machine (``mp`` spawn, a free
+  port for the rendezvous, each worker pinned to this process's intra-op thread count), joins the
+  group as rank 0 and returns (`TPHandle`, rank 0's shard);
+- started by torchrun: every process joins the group from torchrun's environment; rank 0 returns
+  like above, the others build their engine, serve rank 0's steps and exit when it stops.
+
+Failure: a worker that raises reports its traceback and exits; rank 0's next collective fails and
+`TPHandle` raises `TPWorkerError` naming the rank, then stops the remaining workers (the engine is
+unusable afterwards). A worker whose parent process is gone exits within a second. Workers ignore
+Ctrl-C (the terminal sends it to the whole process group); rank 0 stops them when it exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from kvshare.config import load_config
+from kvshare.errors import KVShareError
+from kvshare.parallel import control
+from kvshare.parallel.group import TPGroup, destroy_group, free_port, init_group, launched_by_torchrun
+from kvshare.parallel.loader import load_rank_model, resolve_model
+from kvshare.parallel.shard import check_divisible
+
+JOIN_TIMEOUT_S = 10.0
+
+
+class TPWorkerError(KVShareError, RuntimeError):
+    """A tensor-parallel worker failed or exited; the engine is stopped (no request is at fault)."""
+
+    engine_fatal = True
+
+
+class TPHandle:
+    """Rank 0's handle on the group: sends steps, gathers digests, detects failures, stops workers."""
+
+    def __init__(self, group: TPGroup, procs: list[Any], errors: Any) -> None:
+        self.group = group
+        self.procs = procs
+        self.errors = errors
+        self.failed: TPWorkerError | None = None
+        self.closed = False
+        self._resets: list[int] = []
+        atexit.register(self.close)
+
+    def attach(self, engine: Any) -> None:
+        """Route `engine`'s steps through the group: resets and steps go to workers first."""
+        on_open = engine.blocks.on_open
+
+        def reset(slot: int) -> None:
+            self._resets.append(slot)
+            on_open(slot)
+
+        engine.blocks.on_open = reset
+        runner = engine.runner
+        runner.before_forward = self._send_step
+        local_forward = runner.forward
+
+        def forward(input_ids: torch.Tensor, batch: Any) -> torch.Tensor:
+            return self._guard(local_forward, input_ids, batch)
+
+        runner.forward = forward
+        self.pool = engine.pool
+
+    def _send_step(self, input_ids: torch.Tensor, batch: Any) -> None:
+        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._resets, torch.get_num_threads())
+        self._resets = []
+        self._guard(control.send, step)
+
+    def _guard(self, fn: Any, *a: Any) -> Any:
+        if self.failed is not None:
+            raise self.failed
+        if self.closed:
+            raise TPWorkerError("the tensor-parallel group is closed")
+        try:
+            return fn(*a)
+        except Exception as e:
+            self.failed = self._diagnose(e)
+            self.close()
+            raise self.failed from e
+
+    def _diagnose(self, e: Exception) -> TPWorkerError:
+        time.sleep(0.2)  # let a dying worker's report and exit code land
+        reports = []
+        while True:
+            try:
+                reports.append(self.errors.get_nowait())
+            except (queue.Empty, OSError, ValueError):
+                break
+        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs)
+                if p.exitcode is not None]
+        what = "; ".join(dead) or f"a collective failed ({type(e).__name__}: {e})"
+        detail = ("\n" + "\n".join(reports)) if reports else ""
+        return TPWorkerError(f"tensor-parallel worker failure: {what}; the engine is stopped{detail}")
+
+    def digests(self) -> list[str]:
+        """SHA-256 of every rank's block pool and rings, in rank order (replicas must agree)."""
+        self._guard(control.send, control.DIGEST)
+        return self._guard(control.gather_digests, self.pool, self.group.size)
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by signal), leave the group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.failed is None:
+            try:
+                control.send(control.STOP)
+            except Exception:  # a worker already gone: fall through to termination
+                pass
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        destroy_group()
+
+
+def _watch_parent() -> None:
+    """Exit this worker as soon as its parent process is gone (no orphans after a crash)."""
+    parent = mp.parent_process()
+
+    def watch() -> None:
+        while parent is not None and parent.is_alive():
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_main(rank: int, size: int, init_method: str, model: Any, args: Any, threads: int,
+                 errors: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent()
+    torch.set_num_threads(threads)
+    try:
+        group = init_group(rank, size, init_method, device=args.device)
+        _serve(group, model, args)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        sys.exit(1)
+    destroy_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it ("terminate called ...")
+
+
+def _serve(group: TPGroup, model: Any, args: Any) -> None:
+    """A worker's life: load its shard, build its engine (same arguments), replay rank 0's steps."""
+    from kvshare.engine.engine import LLMEngine
+
+    shard = load_rank_model(model, args, group)
+    engine = LLMEngine(shard, None, args=dataclasses.replace(args, tensor_parallel_size=1))
+    control.worker_loop(engine, group.size)
+
+
+def start(model: Any, args: Any) -> tuple[TPHandle | None, Any]:
+    """Start the group for an engine (see module doc): (rank 0's handle, rank 0's shard)."""
+    size = args.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if isinstance(model, (str, type(None))):  # refuse an indivisible config before spawning anything
+        check_divisible(load_config(str(resolve_model(model or "kvshare-mini-v41"))), size)
+    if launched_by_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {size}")
+        group = init_group(rank, size, device=args.device)
+        if rank != 0:
+            try:
+                _serve(group, model, args)
+            finally:
+                destroy_group()
+            sys.exit(0)
+        return TPHandle(group, [], queue.Queue()), load_rank_model(model, args, group)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    threads = torch.get_num_threads()
+    procs = [ctx.Process(target=_worker_main, args=(r, size, init_method, model, args, threads, errors),
+                         daemon=True, name=f"kvshare-tp{r}") for r in range(1, size)]
+    for p in procs:
+        p.start()
+    try:
+        group = init_group(0, size, init_method, device=args.device)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.join()
+        raise
+    handle = TPHandle(group, procs, errors)
+    try:
+        return handle, load_rank_model(model, args, group)
+    except BaseException:
+        handle.failed = TPWorkerError("rank 0 failed to load its shard")
+        handle.close()
+        raise
