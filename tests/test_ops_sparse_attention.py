@@ -32,24 +32,44 @@ def test_all_masked_rows_give_zero_and_finite_grads() -> None:
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
 
 
-def test_index_scores_formula_and_batch_shape_invariance() -> None:
+def _index_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """I[t, l] = sum_h w[t, h] relu(q[t, h] . k[seq t, l]) in float64, written out per the spec."""
+    dots = torch.einsum("thd,tld->thl", q.double(), keys.double()[seq])
+    return (torch.relu(dots) * w.double()[..., None]).sum(1)
+
+
+def test_index_scores_fp32_formula() -> None:
     g = torch.Generator().manual_seed(1)
     t, h, d, n, length = 6, 8, 16, 2, 11
     q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
     keys = torch.randn(n, length, d, generator=g)
     seq = torch.tensor([0, 0, 0, 1, 1, 1])
     got = index_scores(q, w, keys, seq)
-    ref = (torch.relu(torch.einsum("thd,tld->thl", q.double(), keys.double()[seq])) * w.double()[..., None]).sum(1)
-    assert torch.allclose(got.double(), ref, atol=1e-6)
+    assert got.dtype == torch.float32
+    # fp32 accumulation: observed max |diff| 1.6e-6 on scores up to 36 (a few fp32 ulps)
+    assert torch.allclose(got.double(), _index_ref(q, w, keys, seq), rtol=0, atol=5e-6)
+
+
+def test_index_scores_float64_mode_is_batch_shape_invariant() -> None:
+    g = torch.Generator().manual_seed(1)
+    t, h, d, n, length = 6, 8, 16, 2, 11
+    q = torch.randn(t, h, d, generator=g, dtype=torch.float64)
+    w = torch.randn(t, h, generator=g, dtype=torch.float64)
+    keys = torch.randn(n, length, d, generator=g, dtype=torch.float64)
+    seq = torch.tensor([0, 0, 0, 1, 1, 1])
+    got = index_scores(q, w, keys, seq)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, _index_ref(q, w, keys, seq).float())  # one rounding of an fp64 sum
     for r in range(t):  # each row alone, and with a wider key tensor, gives bit-identical scores
         alone = index_scores(q[r:r + 1], w[r:r + 1], keys[seq[r]:seq[r] + 1], torch.tensor([0]))
         assert torch.equal(alone[0], got[r])
-        wide = torch.cat([keys[seq[r]:seq[r] + 1], torch.zeros(1, 9, d)], dim=1)
+        wide = torch.cat([keys[seq[r]:seq[r] + 1], torch.zeros(1, 9, d, dtype=torch.float64)], dim=1)
         assert torch.equal(index_scores(q[r:r + 1], w[r:r + 1], wide, torch.tensor([0]))[0, :length], got[r])
 
 
 def test_index_scores_do_not_depend_on_the_row_block_size() -> None:
     g = torch.Generator().manual_seed(2)
-    q, w = torch.randn(37, 8, 16, generator=g), torch.randn(37, 8, generator=g)
-    keys, seq = torch.randn(2, 50, 16, generator=g), torch.randint(0, 2, (37,), generator=g)
+    f64 = torch.float64  # the exact mode; in fp32 the row blocks change the matmul shape
+    q, w = torch.randn(37, 8, 16, generator=g, dtype=f64), torch.randn(37, 8, generator=g, dtype=f64)
+    keys, seq = torch.randn(2, 50, 16, generator=g, dtype=f64), torch.randint(0, 2, (37,), generator=g)
     assert torch.equal(index_scores(q, w, keys, seq), index_scores(q, w, keys, seq, budget=1000))

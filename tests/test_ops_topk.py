@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.ops import boundary_ties, select_topk, stable_topk
+from kvshare.ops.topk import topk_mask
 
 
 def test_ties_go_to_lower_positions() -> None:
@@ -47,3 +48,23 @@ def test_matches_torch_topk_without_ties() -> None:
         n = min(7, int(cl[r]))
         ref = sorted(torch.topk(masked[r], n).indices.tolist()) if n else []
         assert got[r, :n].tolist() == ref and (got[r, n:] == -1).all()
+
+
+def _reference_picks(row: list[float], length: int, k: int) -> list[int]:
+    """The spec's rule written out: rank reachable finite entries by (-score, position), keep k, ascending."""
+    ranked = sorted((-v, j) for j, v in enumerate(row[:length]) if v != float("-inf"))
+    picks = sorted(j for _, j in ranked[:k])
+    return picks + [-1] * (k - len(picks))
+
+
+def test_tie_heavy_rows_match_the_written_out_rule() -> None:
+    g = torch.Generator().manual_seed(3)
+    for w, k in [(1, 1), (7, 3), (40, 8), (64, 64), (97, 16), (300, 50)]:
+        s = torch.randint(0, 5, (12, w), generator=g).float()  # five distinct values: many ties
+        s[torch.rand(12, w, generator=g) < 0.2] = float("-inf")
+        lens = torch.randint(0, w + 1, (12,), generator=g)
+        got = select_topk(s, lens, k).tolist()
+        for r in range(12):
+            assert got[r] == _reference_picks(s[r].tolist(), int(lens[r]), k), (w, k, r)
+        mask = topk_mask(s, k)
+        assert (mask.sum(-1) == min(k, w)).all()

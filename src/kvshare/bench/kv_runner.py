@@ -27,8 +27,10 @@ def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.d
     from kvshare.model.deepseek import Transformer
 
     topo = Topology(cfg, share_cache=share_kv_cache)
+    from kvshare.model.dtypes import cast_model
+
     model = Transformer(cfg, topo, quant=False).init_weights(seed)
-    return model.to(device=device, dtype=dtype).eval()
+    return cast_model(model, dtype, device).eval()
 
 
 def blocks_needed(batch: int, max_len: int, block_size: int) -> int:

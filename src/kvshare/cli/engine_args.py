@@ -85,6 +85,7 @@ _ENGINE_KEYS = {
     "engram_table": "engram_table",
     "speculative_config": "speculative_config",
     "tensor_parallel_size": "tensor_parallel_size",
+    "threads": "threads",
 }
 
 
@@ -127,7 +128,6 @@ def build_engine(args: argparse.Namespace) -> Any:
     require_weights(model, getattr(args, "random_weights", False))
     require_memory(model, kw.get("dtype"))
     engine = LLMEngine(model, tokenizer=load_tokenizer(model), **kw)
-    apply_threads(getattr(args, "threads", None), engine.model)
     return engine
 
 
@@ -173,7 +173,8 @@ def require_memory(model: str, dtype: str | None) -> None:
     """KVShareError when the model's weights alone cannot fit in this machine's available memory.
 
     Counted from the config's tensor shapes (nothing is allocated), at 4 bytes per parameter
-    unless --dtype is a 2-byte type; the check only applies to CPU memory."""
+    for --dtype float32 and 2 otherwise (bf16 is the engine's default); the check only applies to
+    CPU memory."""
     from kvshare.config import load_config
     from kvshare.errors import KVShareError
     from kvshare.model.hf_naming import released_shapes
@@ -189,31 +190,11 @@ def require_memory(model: str, dtype: str | None) -> None:
         for s in shape:
             n *= s
         params += n
-    need = params * (2 if dtype in ("bfloat16", "float16") else 4)
+    need = params * (4 if dtype == "float32" else 2)
     if need > free:
         raise KVShareError(f"{model} has {params / 1e9:,.1f}B parameters: {need / 2**30:,.1f} GiB of weights, more "
                            f"than the {free / 2**30:,.1f} GiB of memory available here; use a smaller model "
                            "(e.g. kvshare-mini-v41) or `kvshare plan` for its arithmetic")
-
-
-SMALL_MODEL_PARAMS = 100_000_000
-
-
-def apply_threads(threads: int | None, model: Any) -> None:
-    """Set torch's intra-op threads: `threads` if given, else 1 for a small model on the CPU.
-
-    A small model's decode step is hundreds of tiny ops; extra threads only add synchronisation,
-    and on a shared 2-core machine they made decode about 8x slower in our measurements.
-    """
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-        return
-    params = sum(p.numel() for p in model.parameters())
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    if on_cpu and params < SMALL_MODEL_PARAMS:
-        torch.set_num_threads(1)
 
 
 def tokenizer_of(engine: Any, model: str) -> Any:

@@ -1,6 +1,7 @@
 """EngineArgs and how they resolve against a model: device, dtype, row formats, pool size.
 
-Defaults: ``block_size`` None = lcm(64, every compress ratio in use) (64 for V4.1, 128 for V4);
+Defaults: ``dtype`` None = bf16 on every device (fp32 / float64 on request, for oracle tests; see
+`kvshare.model.dtypes` for what stays fp32); ``block_size`` None = lcm(64, every compress ratio in use) (64 for V4.1, 128 for V4);
 ``kv_format`` "auto" = the architecture's packed fp4 / fp8 formats when quantising, else plain
 rows matching the model dtype (fp32 or bf16) for kv, index keys and window; ``quantize`` None =
 keep the model's own fake-quant setting; pool = ``num_blocks``, else what ``gpu_memory_bytes``
@@ -8,6 +9,7 @@ holds after every slot's rings, else enough blocks for ``max_num_seqs`` full-len
 (capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds);
 ``engram_table`` "mmap" = Engram tables memory-mapped from the checkpoint (resident memory stays
 small; rows come from the page cache), "memory" = read into RAM at load (fastest lookups).
+``threads`` None = `resolve_threads`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,36 @@ class EngineArgs:
     engram_table: str = "mmap"
     speculative_config: dict | str | None = None  # {"method": "dspark", "num_speculative_tokens": 5}
     tensor_parallel_size: int = 1
+    threads: int | None = None
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+
+
+def resolve_threads(threads: int | None, model: torch.nn.Module) -> int | None:
+    """The torch intra-op thread count the engine sets (None: leave torch's default).
+
+    ``threads`` None means: 1 on the CPU for a model under 100M parameters, else torch's default.
+    Measured on the 2-core development VM (notes/bench.md): a small model's step is hundreds of
+    tiny ops, and a second thread only adds synchronisation (decode 8x slower under load); big
+    GEMMs (released models) do gain from every core, so they keep torch's default.
+    """
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return threads
+    params = list(model.parameters())
+    if params and all(p.device.type == "cpu" for p in params) and sum(p.numel() for p in params) < SMALL_MODEL_PARAMS:
+        return 1
+    return None
+
+
+def apply_threads(threads: int | None, model: torch.nn.Module) -> int:
+    """Set torch's intra-op threads as `resolve_threads` says; returns the count now in effect."""
+    n = resolve_threads(threads, model)
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -67,7 +99,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]

@@ -22,7 +22,7 @@ import torch
 from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
-from kvshare.engine.args import EngineArgs, build_layout, pool_blocks, resolve_device, resolve_dtype
+from kvshare.engine.args import EngineArgs, apply_threads, build_layout, pool_blocks, resolve_device, resolve_dtype
 from kvshare.engine.isolation import run_isolated, sample_isolated
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.outputs import EngineStats, RequestOutput
@@ -47,6 +47,7 @@ class LLMEngine:
             self.tp, model = start(model, args)
         model = self._load(model, args)
         self.model = model
+        self.threads = apply_threads(args.threads, model)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         q = getattr(model, "quant", None)
@@ -112,7 +113,13 @@ class LLMEngine:
         self.device = resolve_device(args.device) if args.device is not None else p.device
         self.dtype = resolve_dtype(args.dtype, self.device) if args.dtype is not None else p.dtype
         if (p.device, p.dtype) != (self.device, self.dtype):
-            model = model.to(device=self.device, dtype=self.dtype)
+            from kvshare.model.dtypes import cast_model
+
+            model = cast_model(model, self.dtype, self.device)
+        else:
+            from kvshare.model.linear import pack_linears
+
+            pack_linears(model)
         if args.quantize is not None and hasattr(model, "set_quant"):
             model.set_quant(args.quantize)
         return model.eval()

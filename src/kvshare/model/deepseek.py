@@ -31,6 +31,7 @@ from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
+from kvshare.model.linear import plain_linear
 from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
 from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
@@ -101,7 +102,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, self.topo, layer, self.quant, self.quantizer)
                                     for layer in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = plain_linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.arch == "v4":
             self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
             self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))

@@ -380,4 +380,6 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
             model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
     else:
         model.init_weights(DEFAULT_SEED)
-    return model.to(device=device, dtype=dtype).eval()
+    from kvshare.model.dtypes import cast_model
+
+    return cast_model(model, dtype, device).eval()

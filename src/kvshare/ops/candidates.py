@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.ops.topk import stable_topk
+from kvshare.ops.topk import topk_mask
 
 
 def block_scores(scores: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -41,8 +41,5 @@ def candidate_block_mask(
     newest = torch.div(compress_len - 1, block_size, rounding_mode="floor")
     pin = (newest >= 0).unsqueeze(1) & (torch.arange(nb, device=bs.device).unsqueeze(0) == newest.unsqueeze(1))
     bs = bs.masked_fill(pin, float("inf"))
-    vals, ids = stable_topk(bs, topk_blocks)
-    keep = vals > float("-inf")
-    chosen = torch.zeros(t, nb, dtype=torch.bool, device=bs.device)
-    chosen.scatter_(1, ids, keep)
+    chosen = topk_mask(bs, topk_blocks) & (bs > float("-inf"))
     return chosen.repeat_interleave(block_size, dim=1)[:, :w]

@@ -1,16 +1,19 @@
 """Lightning-indexer scores (spec/model.md §4.6): I[t, j] = sum_h w[t, h] * ReLU(q[t, h] . k[j]).
 
-**kvshare decision (§13):** the dot products and the head sum are accumulated in fp64 and the
-result is rounded to fp32 once. Every product of two fp32 (or FP4-rounded) numbers is exact in
-fp64 and the fp64 sum's rounding error is far below fp32 resolution, so a row's scores do not
-depend on how many rows or keys share the batch (the kernel's reduction order no longer shows
-up after the final fp32 rounding). This keeps one-shot prefill, chunked prefill, decode and
-batched serving on the same selections.
+**kvshare decision (§13):** the dot products and the head sum are accumulated in fp32 (the
+spec allows it: "index scores may be accumulated in fp32 even when the model runs in bf16"),
+or in float64 when the queries are float64 (the exactness test mode), and the result is
+returned as fp32. In fp32 the matmul kernel's reduction order may depend on how many rows and
+keys share the batch, so a score can move by an ulp with batch composition and, at a near-tie,
+flip a pick; batched = alone and chunked = one-shot are therefore exact claims of the float64
+mode, where every product of two fp32 (or FP4-rounded) numbers is exact and the fp64 sum's
+error is far below fp32 resolution. (Until this change the fp32 path also accumulated in fp64;
+fp32 accumulation changes bits of fp32/bf16 runs and is 2-4x cheaper.)
 
 Layout: query rows are regrouped per sequence into a padded [N, S, H, d] tensor so that each
 sequence's keys are multiplied once by all of its rows (a batched matmul), instead of copying the
 keys once per query row. Rows are processed in blocks of the padded S axis, and each block only
-involves the sequences that have rows in it, so fp64 intermediates stay near `budget` elements
+involves the sequences that have rows in it, so intermediates stay near `budget` elements
 (a memory bound, not a per-token loop); results do not depend on the block size.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_BUDGET = 1 << 25  # fp64 elements per intermediate (256 MiB)
+DEFAULT_BUDGET = 1 << 25  # elements per intermediate (128 MiB in fp32, 256 MiB in fp64)
 
 
 def _rank_in_sequence(seq_index: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,12 +50,13 @@ def index_scores(
         return out
     rank, counts = _rank_in_sequence(seq_index, n)
     s_max = int(counts.max())
-    q_pad = q.new_zeros((n, s_max, h, d), dtype=torch.float64)
-    q_pad[seq_index, rank] = q.double()
-    w_pad = weights.new_zeros((n, s_max, h), dtype=torch.float64)
-    w_pad[seq_index, rank] = weights.double()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_pad = q.new_zeros((n, s_max, h, d), dtype=acc)
+    q_pad[seq_index, rank] = q.to(acc)
+    w_pad = weights.new_zeros((n, s_max, h), dtype=acc)
+    w_pad[seq_index, rank] = weights.to(acc)
     scores = torch.empty(n, s_max, length, dtype=torch.float32, device=q.device)
-    kd_t = keys.double().transpose(1, 2)  # [N, d, L]
+    kd_t = keys.to(acc).transpose(1, 2)  # [N, d, L]
     block = max(1, budget // max(1, n * h * max(length, d)))
     for s0 in range(0, s_max, block):
         s1 = min(s_max, s0 + block)

@@ -9,6 +9,12 @@ Rules:
 * ties are broken toward the LOWER position (a stable descending sort), so the result does not
   depend on the top-k algorithm;
 * each row's picks are returned sorted ascending, -1 padding last.
+
+`topk_mask` finds the set without sorting the row: ``torch.topk`` gives the k-th largest value
+v; every entry > v is in, and of the entries == v the lowest positions fill the remaining
+places (a cumulative count). This is exactly the set a stable descending sort keeps, in
+O(W) work plus topk's partial selection; `select_topk` then lists the set in ascending order
+with a cumulative count and a scatter instead of a second sort.
 """
 
 from __future__ import annotations
@@ -32,21 +38,46 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return scores.gather(-1, order), order
 
 
+def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, W] bool: the min(k, W) largest entries of each row, ties toward the lower position.
+
+    Rows must not hold NaN. -inf entries can be part of the set (when a row has fewer than k
+    finite entries); callers that drop them mask with ``scores > -inf``.
+    """
+    t, w = scores.shape
+    k = min(k, w)
+    if k <= 0:
+        return torch.zeros(t, w, dtype=torch.bool, device=scores.device)
+    if k == w:
+        return torch.ones(t, w, dtype=torch.bool, device=scores.device)
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
+
+
+def mask_to_ascending(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] int64: the column ids of each row's True entries in ascending order, -1 padded
+    (a row must have at most k True entries)."""
+    t, w = mask.shape
+    slot = mask.cumsum(dim=-1) - 1
+    slot = torch.where(mask, slot, torch.full_like(slot, k))  # unpicked columns land in a spare slot
+    out = torch.full((t, k + 1), -1, dtype=torch.int64, device=mask.device)
+    cols = torch.arange(w, device=mask.device).expand(t, w)
+    out.scatter_(1, slot, cols)
+    return out[:, :k]
+
+
 def select_topk(scores: torch.Tensor, compress_len: torch.Tensor, k: int) -> torch.Tensor:
     """[T, k] int64 ascending picks of each row (-1 padded) from [T, W] scores.
 
     Columns at or past ``compress_len[t]`` and -inf scores are never picked.
     """
-    t, w = scores.shape
+    w = scores.shape[1]
     masked = scores.masked_fill(~causal_mask(w, compress_len), float("-inf"))
-    vals, idx = stable_topk(masked, k)
-    idx = torch.where(vals > float("-inf"), idx, torch.full_like(idx, -1))
-    key = torch.where(idx < 0, torch.full_like(idx, w), idx)
-    idx = torch.sort(key, dim=-1).values
-    idx = torch.where(idx >= w, torch.full_like(idx, -1), idx)
-    if idx.shape[1] < k:
-        idx = torch.cat([idx, idx.new_full((t, k - idx.shape[1]), -1)], dim=1)
-    return idx
+    picked = topk_mask(masked, k) & (masked > float("-inf"))
+    return mask_to_ascending(picked, k)
 
 
 def boundary_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
