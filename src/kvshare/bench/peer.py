@@ -20,6 +20,8 @@ from kvshare.bench.sizes import BenchSizes, peer_v4_config
 from kvshare.config import ModelConfig
 
 TARGET_DECODE_RATIO = 3.0
+TARGET_DECODE_RATIO_B1 = 1.5
+TARGET_PREFILL_RATIO = 2.0
 
 
 def _row(r: GenResult, same: Any) -> list[Any]:
@@ -86,6 +88,12 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
     if last is not None:
         sec.targets.append(Target(f"decode tok/s at batch {big}, kvshare / transformers",
                                   last["ratio"]["decode"], TARGET_DECODE_RATIO, ">="))
+        sec.targets.append(Target(f"prefill tok/s at batch {big}, kvshare / transformers",
+                                  last["ratio"]["prefill"], TARGET_PREFILL_RATIO, ">="))
+    first = next((r for r in runs if r["batch"] == 1 and "ratio" in r), None)
+    if first is not None:
+        sec.targets.append(Target("decode tok/s at batch 1, kvshare / transformers",
+                                  first["ratio"]["decode"], TARGET_DECODE_RATIO_B1, ">="))
     sec.notes.append(f"weights: {sec.data['weights_bytes'] / 2**20:.0f} MiB per engine (not in 'peak +MiB'); "
                      f"best of {max(1, s.repeats)} alternating runs per engine")
     sec.plot = _plot

@@ -56,6 +56,10 @@ class BenchSizes:
     copy_mib: int = 1024
     repeats: int = 2
     seed: int = 0
+    prefill_head_dim: int = 512
+    prefill_index_dim: int = 128
+    prefill_index_topk: int = 512
+    prefill_batch: int = 8
 
     def replace(self, **kw: Any) -> "BenchSizes":
         return dataclasses.replace(self, **kw)
@@ -72,6 +76,7 @@ QUICK = BenchSizes(
     peer_layers=4, v41_layers=8, candidate_blocks=4, candidate_block_size=4, prompt_len=16,
     new_tokens=4, batches=(1, 2), contexts=(64, 128), context_steps=2, prefill_chunk=128, context_budget_s=60,
     sharing_context=64, sharing_batch=2, pool_mib=1, block_size=128, copy_mib=16, repeats=1,
+    prefill_head_dim=32, prefill_index_dim=16, prefill_index_topk=8, prefill_batch=2,
 )
 
 
@@ -106,6 +111,13 @@ def peer_v4_config(s: BenchSizes) -> dict[str, Any]:
               "num_hidden_layers": s.peer_layers, "compress_ratios": peer_ratios(s.peer_layers),
               "num_hash_layers": 1})
     return d
+
+
+def released_attention_config(s: BenchSizes) -> dict[str, Any]:
+    """The peer V4 config with the released attention sizes (head_dim 512, 128-dim index keys,
+    top-512 by default): the model issue 19's prefill targets are stated on."""
+    return peer_v4_config(s.replace(head_dim=s.prefill_head_dim, index_dim=s.prefill_index_dim,
+                                    index_topk=s.prefill_index_topk))
 
 
 def v41_layout(n_layers: int) -> dict[str, Any]:

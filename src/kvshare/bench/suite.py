@@ -1,9 +1,9 @@
 """Run the selected benchmark sections in one process, then print and save the results.
 
-Order: copy bandwidth (machine), peer comparison (V4), sharing on/off and context scaling
-(V4.1-shaped), DSpark speculation on / off, achieved bandwidth (from the decode steps measured
-above). The header records the date, versions, thread count and the machine's load before and after,
-because the cores may be shared with other processes.
+Order: copy bandwidth (machine), peer comparison (V4), prefill at the released attention sizes,
+sharing on/off and context scaling (V4.1-shaped), DSpark speculation on / off, achieved bandwidth
+(from the decode steps measured above). The header records the date, versions, thread count and the
+machine's load before and after, because the cores may be shared with other processes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class BenchOptions:
     which: str
     sizes: BenchSizes
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     threads: int | None = None
     peer: bool = True
     plots: bool = True
@@ -121,6 +121,15 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
                 sections.append(sec)
             bw_entries += _peer_bandwidth(kv, s)
             del kv
+    if w in ("prefill", "all"):
+        from kvshare.bench.prefill import prefill_section
+
+        t0 = time.perf_counter()
+        psec = _guard("prefill", errors, prefill_section, s, dtype=opts.dtype, device=opts.device,
+                      with_peer=opts.peer)
+        if psec is not None:
+            psec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            sections.append(psec)
     if w in ("sharing", "context", "all", "bandwidth"):
         cfg41 = ModelConfig.from_dict(v41_config(s))
         model41 = build_model(cfg41, s.seed, DTYPES[opts.dtype], opts.device)

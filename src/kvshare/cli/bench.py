@@ -1,4 +1,4 @@
-"""`kvshare bench [peer|sharing|context|bandwidth|spec|all] [--quick] [size flags]`.
+"""`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|all] [--quick] [size flags]`.
 
 Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
 transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvshare.bench.sizes import add_size_flags
 
-SECTIONS = ("peer", "sharing", "context", "bandwidth", "spec", "all")
+SECTIONS = ("peer", "prefill", "sharing", "context", "bandwidth", "spec", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,8 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None,
                    help="file stem of the outputs (default: bench-<which>[-quick])")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and activations of both engines (default: float32)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="weights of both engines (default: bfloat16, the engine's default; kvshare keeps "
+                        "norms, router, mHC and sinks in fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-peer", dest="peer", action="store_false", default=True,
                    help="skip transformers in `peer` (kvshare numbers only)")

@@ -32,7 +32,11 @@ from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm, rms_normalize
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import causal_mask, sparse_attention
+from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
 from kvshare.topology import Topology
+
+
+PER_SEQ_FACTOR = 2  # read a sequence's compressed rows whole while there are at most 2k of them
 
 
 class Attention(nn.Module):
@@ -73,13 +77,23 @@ class Attention(nn.Module):
         q = rope.rotate(q, pos)
 
         kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos))
-        win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, ctx.batch)
-        if self.ratio > 0:
-            comp, comp_valid = self._compressed(ctx, x, qr)
+        scale, batch = self.head_dim**-0.5, ctx.batch
+        comp, comp_valid, per_seq = self._compressed(ctx, x, qr) if self.ratio > 0 else (None, None, True)
+        if per_seq:
+            # window keys per sequence: the W-1 stored rows before the chunk (the window of each
+            # sequence's first row, minus that row), then the chunk's own rows
+            depth = self.cfg.sliding_window
+            first = batch.cu_seqlens[:-1]
+            hist, _ = ctx.cache.history("window", self.layer, kv, depth, batch, first)
+            rank = torch.arange(t, device=x.device) - batch.cu_seqlens[ctx.seq_index]
+            keys = window_keys(hist[:, :depth - 1], kv, ctx.seq_index, rank, int(batch.lens.max()))
+            o = prefix_attention(q, keys, batch.starts, comp, comp_valid, ctx.seq_index, rank,
+                                 self.attn_sink, scale)
+        else:
+            win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
             win = torch.cat([win, comp.to(win.dtype)], dim=1)
             win_valid = torch.cat([win_valid, comp_valid], dim=1)
-
-        o = sparse_attention(q, win, win_valid, self.attn_sink, self.head_dim**-0.5)
+            o = sparse_attention(q, win, win_valid, self.attn_sink, scale)
         return self.project_out(o, pos, rope)
 
     def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
@@ -90,8 +104,16 @@ class Attention(nn.Module):
         u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], g, -1), wo_a).flatten(1)
         return self.wo_b(u)
 
-    def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 1-4 of the module doc: ([T, M, d] compressed rows, [T, M] validity)."""
+    def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Steps 1-4 of the module doc: (rows, mask, per_seq).
+
+        per_seq False: rows [T, M, d] gathered per query row (the top-k picks), mask [T, M].
+        per_seq True: rows [N, L, d], every compressed row of each sequence, read once, with
+        mask [T, L] of the rows each query attends: V4 HCA layers (every causal entry), and
+        top-k layers when L <= PER_SEQ_FACTOR * index_topk, where one dense pass over a
+        sequence's rows is cheaper than copying k rows per query (prefill, short contexts).
+        """
         plan, batch = self.plan, ctx.batch
         new: Emitted | None = self.compressor(x, ctx, self.layer) if plan.is_kv_source else None
 
@@ -108,12 +130,14 @@ class Attention(nn.Module):
             lat = self.quantizer.compressed(lat)
             ctx.cache.write_rows("kv", self.layer, new.seq, new.j, lat, batch)
 
-        if topk is not None:
-            seq = ctx.seq_index.unsqueeze(1).expand_as(topk)
-            return ctx.cache.gather_rows("kv", self.layer, seq, topk, batch), topk >= 0
-        # V4 HCA: every causal compressed entry.
         n_rows = torch.div(batch.ends, self.ratio, rounding_mode="floor")
+        longest = int(n_rows.max()) if n_rows.numel() else 0
+        if topk is not None and longest > PER_SEQ_FACTOR * topk.shape[1]:
+            seq = ctx.seq_index.unsqueeze(1).expand_as(topk)
+            return ctx.cache.gather_rows("kv", self.layer, seq, topk, batch), topk >= 0, False
         rows, valid = ctx.cache.gather_prefix("kv", self.layer, n_rows, batch)
+        if topk is not None:
+            return rows, picks_to_mask(topk, rows.shape[1]), True
+        # V4 HCA: every causal compressed entry.
         compress_len = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
-        valid = valid[ctx.seq_index] & causal_mask(rows.shape[1], compress_len)
-        return rows[ctx.seq_index], valid
+        return rows, valid[ctx.seq_index] & causal_mask(rows.shape[1], compress_len), True

@@ -1,0 +1,104 @@
+"""Banded window + per-sequence compressed attention, without per-query-row copies.
+
+Same maths as `sparse_attention` (spec/model.md §4.7): for query row t at position p, head h,
+over the window rows at positions p-W+1..p (those >= 0) and the selected compressed rows,
+``o = sum_i exp(s_i - m) kv_i / (sum_i exp(s_i - m) + exp(sink_h - m))`` with
+``m = max(max_i s_i, sink_h)``.
+
+Layout (queries regrouped per sequence into a padded [N, S, H, d] tensor; a sequence's rows
+are contiguous in the step):
+
+* window: each sequence's keys are one contiguous run ``win`` [N, P + S, d] — the P = W-1 rows
+  before the chunk (ring) followed by the chunk's own rows — so key index i is position
+  ``start - P + i``. Query rank r attends key indices r..r+P. Queries are taken in blocks of
+  `block` rows; a block's keys are one strided view (``unfold``) of width block + P, scored by
+  one batched matmul and masked by a fixed band, so nothing is copied per query row;
+* compressed: every row of the sequence ``comp`` [N, L, d], read once, with a per-row mask
+  ``comp_mask`` [T, L] (top-k picks scattered into a mask, or every causal entry).
+
+The sums run in a different order than `sparse_attention`'s single concatenated sum (window and
+compressed parts reduced separately, masked zeros included), so results agree to rounding, not
+bits. Computed in fp32 (float64 for float64 inputs), returned in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.precision import wide
+
+
+def picks_to_mask(picks: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, width] bool: True at each row's picked positions (-1 entries ignored)."""
+    mask = torch.zeros(picks.shape[0], width + 1, dtype=torch.bool, device=picks.device)
+    mask.scatter_(1, torch.where(picks >= 0, picks, torch.full_like(picks, width)), True)
+    return mask[:, :width]
+
+
+def regroup(x: torch.Tensor, seq_index: torch.Tensor, rank: torch.Tensor, n: int, s: int) -> torch.Tensor:
+    """Rows [T, ...] -> zero-padded [N, S, ...] with row t at [seq_index[t], rank[t]]."""
+    out = x.new_zeros((n, s, *x.shape[1:]))
+    out[seq_index, rank] = x
+    return out
+
+
+def window_keys(prior: torch.Tensor, values: torch.Tensor, seq_index: torch.Tensor, rank: torch.Tensor,
+                s: int) -> torch.Tensor:
+    """[N, P + S, d]: each sequence's P stored rows before the chunk, then its chunk rows (zero-padded)."""
+    return torch.cat([prior, regroup(values.to(prior.dtype), seq_index, rank, prior.shape[0], s)], dim=1)
+
+
+def prefix_attention(
+    q: torch.Tensor,  # [T, H, d]
+    win: torch.Tensor,  # [N, P + S, d] window keys per sequence (see `window_keys`)
+    starts: torch.Tensor,  # [N] position of each sequence's first chunk row
+    comp: torch.Tensor | None,  # [N, L, d] compressed rows per sequence, or None
+    comp_mask: torch.Tensor | None,  # [T, L] bool
+    seq_index: torch.Tensor,  # [T]
+    rank: torch.Tensor,  # [T] row's index within its sequence's chunk
+    sink: torch.Tensor,  # [H]
+    scale: float,
+    block: int = 64,
+) -> torch.Tensor:
+    """[T, H, d] attention output (see module doc)."""
+    t, h, d = q.shape
+    n = win.shape[0]
+    p_len = win.shape[1] - (int(rank.max()) + 1 if t else 0)
+    s = win.shape[1] - p_len
+    bq = max(1, min(block, s))
+    nb = -(-s // bq)
+    sp = nb * bq
+    qf = wide(q)
+    acc = qf.dtype
+    kw = wide(win).to(acc)
+    if sp > s:
+        kw = torch.cat([kw, kw.new_zeros(n, sp - s, d)], dim=1)
+    q_pad = regroup(qf, seq_index, rank, n, sp)  # [N, Sp, H, d]
+    width = bq + p_len
+    kb = kw.unfold(1, width, bq)  # [N, nb, d, width] view: block b's keys are indices b*bq .. b*bq+width-1
+    s_w = torch.matmul(q_pad.view(n, nb, bq * h, d), kb).view(n, nb, bq, h, width) * scale
+    a = torch.arange(bq, device=q.device)
+    j = torch.arange(width, device=q.device)
+    band = (j[None, :] >= a[:, None]) & (j[None, :] <= a[:, None] + p_len)  # [bq, width]
+    key_pos = starts[:, None, None] - p_len + torch.arange(nb, device=q.device)[None, :, None] * bq + j  # [N, nb, width]
+    ok = band[None, None, :, None, :] & (key_pos >= 0)[:, :, None, None, :]
+    s_w = s_w.masked_fill(~ok, float("-inf")).view(n, sp, h, width)
+    sink_f = wide(sink).to(acc).view(1, 1, h)
+    m = torch.maximum(s_w.amax(dim=-1), sink_f)
+    s_c = None
+    if comp is not None and comp.shape[1] > 0:
+        cf = wide(comp).to(acc)
+        length = cf.shape[1]
+        s_c = torch.bmm(q_pad.view(n, sp * h, d), cf.transpose(1, 2)).view(n, sp, h, length) * scale
+        cmask = regroup(comp_mask, seq_index, rank, n, sp)  # [N, Sp, L]
+        s_c = s_c.masked_fill(~cmask[:, :, None, :], float("-inf"))
+        m = torch.maximum(m, s_c.amax(dim=-1))
+    p_w = torch.exp(s_w - m.unsqueeze(-1))
+    denom = p_w.sum(dim=-1) + torch.exp(sink_f - m)
+    o = torch.matmul(p_w.view(n, nb, bq * h, width), kb.transpose(-1, -2)).view(n, sp, h, d)
+    if s_c is not None:
+        p_c = torch.exp(s_c - m.unsqueeze(-1))
+        denom = denom + p_c.sum(dim=-1)
+        o = o + torch.bmm(p_c.view(n, sp * h, -1), cf).view(n, sp, h, d)
+    o = o / denom.unsqueeze(-1)
+    return o[seq_index, rank].to(q.dtype)
