@@ -32,9 +32,15 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = torch.softmax((m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    if torch.is_grad_enabled() and comb.requires_grad:
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        return pre, post, comb
+    # inference: the same divisions in place (no new tensors per iteration; same bits)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(hc_eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(hc_eps))
     return pre, post, comb
 
 

@@ -9,6 +9,10 @@ Angles are computed on the fly from the positions (no table of max_position_embe
 fp32, or in float64 for a float64 input (`precision.wide`: exactness runs stay float64); the
 rotation runs in that dtype and the result is cast back to the input dtype once. Frequencies are
 kept in float64 outside the module's buffers, so ``model.to(bfloat16)`` cannot round them.
+The cos/sin table of the last positions tensor is kept per working dtype (keyed by that tensor's
+identity and version, holding a reference so its memory cannot be reused), so the q, kv and
+output rotations of a step build it once per RoPE flavour instead of once per call; the values
+are the same bits.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class RotaryEmbedding(nn.Module):
         self.rope_dim = rope_dim
         self.freqs64 = rope_frequencies(rope_dim, base, yarn)  # float64, never cast by .to(dtype)
         self._freqs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._table: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _freqs_for(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -64,6 +69,17 @@ class RotaryEmbedding(nn.Module):
             f = self._freqs[key] = self.freqs64.to(device=x.device, dtype=dt)
         return f
 
+    def cos_sin(self, positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [*positions.shape, rope_dim / 2] in `freqs`' dtype of the angles at `positions`."""
+        t = self._table
+        if (t is not None and t[0] is positions and t[1] == positions._version and t[2] == freqs.dtype
+                and t[3].device == positions.device):
+            return t[3], t[4]
+        angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
+        cos, sin = angles.cos(), angles.sin()
+        self._table = (positions, positions._version, freqs.dtype, cos, sin)
+        return cos, sin
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x[..., -rope_dim:] rotated by +angle (or -angle when `inverse`); other dims untouched.
 
@@ -72,10 +88,10 @@ class RotaryEmbedding(nn.Module):
         """
         rd = self.rope_dim
         freqs = self._freqs_for(x)
-        angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
+        cos, sin = self.cos_sin(positions, freqs)
         extra = x.dim() - 1 - positions.dim()
-        angles = angles.view(*positions.shape, *([1] * extra), rd // 2)
-        cos, sin = angles.cos(), angles.sin()
+        cos = cos.view(*positions.shape, *([1] * extra), rd // 2)
+        sin = sin.view(*positions.shape, *([1] * extra), rd // 2)
         if inverse:
             sin = -sin
         tail = x[..., -rd:].to(freqs.dtype).unflatten(-1, (rd // 2, 2))
