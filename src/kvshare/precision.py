@@ -14,3 +14,11 @@ import torch
 def wide(x: torch.Tensor) -> torch.Tensor:
     """`x` as fp32, or unchanged if it is already float64."""
     return x if x.dtype == torch.float64 else x.float()
+
+
+def version_of(x: torch.Tensor) -> int:
+    """`x`'s in-place version counter, or -1 for an inference tensor (which has none).
+
+    Caches keyed on (tensor, version) use it; an inference tensor's cache entry is trusted
+    until the tensor itself changes identity / storage."""
+    return -1 if x.is_inference() else x._version

@@ -25,6 +25,7 @@ from kvshare.cache.pool import BlockPool
 from kvshare.engine.args import EngineArgs, apply_threads, build_layout, pool_blocks, resolve_device, resolve_dtype
 from kvshare.engine.isolation import run_isolated, sample_isolated
 from kvshare.engine.model_runner import ModelRunner
+from kvshare.model.dtypes import weight_bytes
 from kvshare.engine.outputs import EngineStats, RequestOutput
 from kvshare.engine.sampling import Sampler, SamplingParams
 from kvshare.engine.scheduler import Scheduler
@@ -48,6 +49,7 @@ class LLMEngine:
         model = self._load(model, args)
         self.model = model
         self.threads = apply_threads(args.threads, model)
+        self.weight_bytes = weight_bytes(model)  # as stored (bf16 with the fp32 set, or the oracle dtype)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         q = getattr(model, "quant", None)

@@ -64,3 +64,4 @@ def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device | str 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter as stored (packed copies not counted)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+

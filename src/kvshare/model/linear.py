@@ -10,7 +10,8 @@ reorder the weight into its blocked layout on every call. `Linear.pack()` does t
 packed copy, which gives bitwise the same result as `F.linear` (tests/test_packed_linear.py) and
 is 1.3-6x faster at 1-8 rows on this machine. Packing is feature-checked (`packing_available`);
 without it, or for fp32 / float64 weights, or while autograd needs the weight, `F.linear` runs.
-A packed copy is dropped as soon as the weight changes (its version counter or storage moved).
+A packed copy is dropped as soon as the weight changes (its version counter or storage moved;
+an inference-mode weight has no version counter, so re-`pack()` after editing one in place).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.model.quantize import QuantMode, act_quant
+from kvshare.precision import version_of
 
 
 def packing_available() -> bool:
@@ -41,7 +43,7 @@ class Linear(nn.Linear):
         self._packed_key: tuple[int, int] | None = None
 
     def _key(self) -> tuple[int, int]:
-        return (self.weight.data_ptr(), self.weight._version)
+        return (self.weight.data_ptr(), version_of(self.weight))
 
     def pack(self) -> bool:
         """Pack the weight for oneDNN when it is a bf16 CPU tensor and packing exists; True if packed."""

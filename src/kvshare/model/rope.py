@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvshare.config import YarnConfig
+from kvshare.precision import version_of
 
 
 def rope_frequencies(rope_dim: int, base: float, yarn: YarnConfig | None) -> torch.Tensor:
@@ -72,12 +73,12 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [*positions.shape, rope_dim / 2] in `freqs`' dtype of the angles at `positions`."""
         t = self._table
-        if (t is not None and t[0] is positions and t[1] == positions._version and t[2] == freqs.dtype
+        if (t is not None and t[0] is positions and t[1] == version_of(positions) and t[2] == freqs.dtype
                 and t[3].device == positions.device):
             return t[3], t[4]
         angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
         cos, sin = angles.cos(), angles.sin()
-        self._table = (positions, positions._version, freqs.dtype, cos, sin)
+        self._table = (positions, version_of(positions), freqs.dtype, cos, sin)
         return cos, sin
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
