@@ -25,9 +25,10 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 def test_bench_quick_all_sections(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     plots = importlib.util.find_spec("matplotlib") is not None  # in the `test` extra; optional here
-    out = _run(tmp_path, "--quick", *([] if plots else ["--no-plots"]))
+    # fp32, the oracle mode: greedy tokens must equal transformers' and rows are 4-byte
+    out = _run(tmp_path, "--quick", "--dtype", "float32", *([] if plots else ["--no-plots"]))
     sections = {s["name"]: s for s in out["sections"]}
-    assert set(sections) == {"peer", "sharing", "context", "bandwidth", "speculation"}
+    assert set(sections) == {"peer", "prefill", "sharing", "context", "bandwidth", "speculation"}
     for name in ("peer", "sharing", "context", "bandwidth"):
         assert not plots or (tmp_path / f"b-{name}.png").stat().st_size > 0
     assert "| target |" in (tmp_path / "b.md").read_text()
@@ -36,6 +37,12 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
         assert run["tokens"]["identical"], run["tokens"]
         for side in ("kvshare", "transformers"):
             assert run[side]["decode_tok_s"] > 0 and run[side]["prefill_tok_s"] > 0
+
+    prefill = sections["prefill"]["data"]
+    assert prefill["tokens"]["identical"], prefill["tokens"]
+    assert prefill["config"]["head_dim"] == 32 and prefill["kvshare"]["prefill_s"] > 0
+    assert {t["name"].split(":")[0] for t in sections["prefill"]["targets"]} >= {
+        "prefill time per token / batched decode time per token"}
 
     sharing = sections["sharing"]["data"]
     on, off = sharing["modes"]["on"], sharing["modes"]["off"]

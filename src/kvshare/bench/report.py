@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -133,12 +132,9 @@ def save(sections: list[Section], header: dict[str, Any], out_dir: Path, stem: s
                              indent=2, default=_json_default) + "\n")
     paths["json"] = js
     plotted = [s for s in sections if s.plot is not None]
-    try:
-        import matplotlib
-    except ImportError:  # plots are optional: the JSON and markdown must still be written
-        print("matplotlib is not installed: no plots written", file=sys.stderr)
-        plotted = []
     if plotted:
+        import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
