@@ -23,6 +23,7 @@ import torch
 from kvshare.cache.blocks import compressed_row_address
 from kvshare.cache.formats import RowFormat
 from kvshare.cache.pool import BlockPool
+from kvshare.cache.step_reads import StepReadCache
 from kvshare.runtime import StepBatch
 
 
@@ -41,6 +42,7 @@ class PagedBackend:
         self._pending: list[tuple[torch.Tensor, RowFormat | None, torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self._pending_keys: set[tuple[str, int]] = set()
         self._step: int | None = None
+        self._reads = StepReadCache()
 
     # ---- step boundaries -------------------------------------------------------------------------
     def _begin(self, batch: StepBatch) -> None:
@@ -54,6 +56,7 @@ class PagedBackend:
             ring[slot, pos.remainder(depth)] = _pack(fmt, values).to(ring.dtype)
         self._pending.clear()
         self._pending_keys.clear()
+        self._reads.clear()
         self._step = None
 
     # ---- history rings -----------------------------------------------------------------------------
@@ -104,21 +107,42 @@ class PagedBackend:
         packed = self.pool.formats[kind].pack(values)
         for view in targets:  # one view when sharing; every copy when not
             view[block, row] = packed
+            self._reads.invalidate(view)
 
     def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:
         self._begin(batch)
         view = self.pool.read_view(kind, layer)
+        hit = self._reads.get(view, "rows", index, seq)
+        if hit is not None:
+            return hit
         block, row, valid = self._address(layer, seq, index, batch)
         rows = self.pool.formats[kind].unpack(view[block, row]).to(self.pool.dtype)
-        return rows.masked_fill(~valid[..., None], 0)
+        rows = rows.masked_fill(~valid[..., None], 0)
+        self._reads.put(view, "rows", index, seq, rows)
+        return rows
 
     def gather_prefix(self, kind: str, layer: int, n_rows: torch.Tensor,
                       batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, n_rows[i]) of every sequence, read by whole blocks: the block table picks each
+        sequence's blocks and the [blocks, rows per block] view flattens to its row order
+        (row j sits at logical block j // (B / r), row j % (B / r)); rows past n_rows are zeros."""
+        self._begin(batch)
+        if batch.block_tables is None:
+            raise ValueError("the paged backend needs batch.block_tables")
         n = n_rows.shape[0]
         width = int(n_rows.max()) if n else 0
-        j = torch.arange(width, device=n_rows.device)[None, :].expand(n, width)
-        mask = j < n_rows[:, None]
-        j = torch.where(mask, j, torch.full_like(j, -1))
-        seq = torch.arange(n, device=n_rows.device)
-        return self.gather_rows(kind, layer, seq, j, batch), mask
+        mask = torch.arange(width, device=n_rows.device)[None, :] < n_rows[:, None]
+        view = self.pool.read_view(kind, layer)
+        hit = self._reads.get(view, "prefix", n_rows, batch.block_tables)
+        if hit is not None:
+            return hit, mask
+        per_block = view.shape[1]  # block_size // ratio rows
+        n_blocks = min(-(-width // per_block), batch.block_tables.shape[1])
+        tables = batch.block_tables[:, :n_blocks]
+        rows = view[tables].reshape(n, n_blocks * per_block, view.shape[-1])[:, :width]
+        if rows.shape[1] < width:  # rows past the table (never for a valid batch): zeros
+            rows = torch.cat([rows, rows.new_zeros(n, width - rows.shape[1], rows.shape[-1])], dim=1)
+        out = self.pool.formats[kind].unpack(rows).to(self.pool.dtype).masked_fill(~mask[..., None], 0)
+        self._reads.put(view, "prefix", n_rows, batch.block_tables, out)
+        return out, mask
