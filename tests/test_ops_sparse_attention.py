@@ -73,3 +73,25 @@ def test_index_scores_do_not_depend_on_the_row_block_size() -> None:
     q, w = torch.randn(37, 8, 16, generator=g, dtype=f64), torch.randn(37, 8, generator=g, dtype=f64)
     keys, seq = torch.randn(2, 50, 16, generator=g, dtype=f64), torch.randint(0, 2, (37,), generator=g)
     assert torch.equal(index_scores(q, w, keys, seq), index_scores(q, w, keys, seq, budget=1000))
+
+
+def test_candidate_scores_score_only_the_masked_rows() -> None:
+    from kvshare.ops.index_scores import candidate_scores
+
+    g = torch.Generator().manual_seed(4)
+    f64 = torch.float64
+    t, h, d, n, length, cap = 7, 8, 16, 2, 40, 12
+    q, w = torch.randn(t, h, d, generator=g, dtype=f64), torch.randn(t, h, generator=g, dtype=f64)
+    keys = torch.randn(n, length, d, generator=g, dtype=f64)
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    mask = torch.zeros(t, length, dtype=torch.bool)
+    for r in range(t):  # up to `cap` allowed rows per query row, the last row none
+        if r < t - 1:
+            mask[r, torch.randperm(length, generator=g)[: cap - r]] = True
+    got = candidate_scores(q, w, keys, seq, mask, cap)
+    ref = _index_ref(q, w, keys, seq).float()
+    assert torch.equal(torch.isinf(got), ~mask)
+    # float64 accumulation, one fp32 rounding: observed max |diff| 0 against the written-out formula
+    assert torch.allclose(got[mask], ref[mask], rtol=0, atol=1e-6)
+    alone = candidate_scores(q[2:3], w[2:3], keys[:1], torch.tensor([0]), mask[2:3], cap)
+    assert torch.equal(alone[0], got[2])  # a row's scores do not depend on the batch

@@ -11,7 +11,8 @@
   the region: the STATIC index-K owner's when sharing, the corrected §9 behaviour, even on steps
   where the owner wrote nothing; the layer's own copy when not), causal mask ``j < (t + 1) // ratio``.
 * The candidate source publishes its candidate mask from its unrestricted scores; later index
-  sources of the same ratio mask their scores with it; then deterministic top-k.
+  sources of the same ratio mask their scores with it, and score only the rows inside it when
+  those are fewer than all rows (`candidate_scores`); then deterministic top-k.
 
 Checkpoint names: ``wq_b.weight``, ``weights_proj.weight``; V4.1 owners ``wk.weight``,
 ``k_norm.weight``; V4 ``compressor.{wkv,wgate,norm}.weight`` and ``compressor.ape``.
@@ -30,6 +31,7 @@ from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import (block_scores, boundary_ties, candidate_block_mask, causal_mask, index_scores,
                          select_topk)
+from kvshare.ops.index_scores import candidate_scores
 from kvshare.precision import wide
 from kvshare.topology import LayerPlan, Topology
 
@@ -82,7 +84,14 @@ class Indexer(nn.Module):
         n_rows = torch.div(ctx.batch.ends, self.ratio, rounding_mode="floor")
         keys, _ = ctx.cache.gather_prefix("index_k", self.layer, n_rows, ctx.batch)
         compress_len = torch.div(pos + 1, self.ratio, rounding_mode="floor")
-        scores = index_scores(q, w, keys, ctx.seq_index)
+        cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
+                     if self.plan.uses_candidates else None)
+        cap = self.cfg.candidate_topk_blocks * self.cfg.candidate_block_size
+        if cand_mask is not None and cap < keys.shape[1]:
+            # only the rows inside the published candidate blocks: cost independent of the context
+            scores = candidate_scores(q, w, keys, ctx.seq_index, cand_mask, cap)
+        else:
+            scores = index_scores(q, w, keys, ctx.seq_index)
         scores = scores.masked_fill(~causal_mask(scores.shape[1], compress_len), float("-inf"))
         if self.plan.publishes_candidates:
             cand = self.cfg.candidate_topk_blocks
@@ -91,9 +100,8 @@ class Indexer(nn.Module):
             if ctx.ties is not None:
                 blocks = block_scores(scores, self.cfg.candidate_block_size)
                 self._log_ties(ctx, "candidates", boundary_ties(blocks, cand))
-        if self.plan.uses_candidates:
-            mask = ctx.state.candidates_of(self.plan.candidate_source, self.layer)
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if cand_mask is not None:
+            scores = scores.masked_fill(~cand_mask, float("-inf"))
         if ctx.ties is not None:
             self._log_ties(ctx, "index", boundary_ties(scores, self.cfg.index_topk))
         return select_topk(scores, compress_len, self.cfg.index_topk)

@@ -67,3 +67,33 @@ def index_scores(
         scores[active, s0:s1] = summed.float()
     out[:] = scores[seq_index, rank]
     return out
+
+
+def candidate_scores(
+    q: torch.Tensor,  # [T, H, d]
+    weights: torch.Tensor,  # [T, H]
+    keys: torch.Tensor,  # [N, L, d]
+    seq_index: torch.Tensor,  # [T]
+    mask: torch.Tensor,  # [T, L] bool: the rows each query row may score (at most `cap` per row)
+    cap: int,
+) -> torch.Tensor:
+    """[T, L] fp32 scores of each query row against only its masked rows; -inf elsewhere.
+
+    Same formula and accumulation dtype as `index_scores`; every query row is one fixed-shape
+    product against its own `cap` gathered keys, so a row's scores do not depend on the batch.
+    The cost is T x cap x d instead of T x L x d."""
+    from kvshare.ops.topk import mask_to_ascending
+
+    t, h, d = q.shape
+    length = keys.shape[1]
+    out = torch.full((t, length + 1), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0 or length == 0:
+        return out[:, :length]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    idx = mask_to_ascending(mask, cap)  # [T, cap], -1 padded
+    valid = idx >= 0
+    rows = keys[seq_index[:, None], idx.clamp(min=0)].to(acc)  # [T, cap, d]
+    dots = torch.bmm(q.to(acc), rows.transpose(1, 2))  # [T, H, cap]
+    summed = torch.bmm(weights.to(acc).unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, cap]
+    out.scatter_(1, torch.where(valid, idx, torch.full_like(idx, length)), summed.float())
+    return out[:, :length]
