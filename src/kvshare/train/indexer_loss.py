@@ -12,9 +12,12 @@ and the owner's compressed-KV table in the `DenseCache`, detached. The indexer's
 ``softmax_j(I[t, j])`` of the raw index scores the model computed (captured, differentiable), and
 the loss is ``KL(target || indexer)`` averaged over token rows with at least one causal entry.
 
-Capture works by wrapping, for the duration of one forward, the two functions the model modules
-call (``index_scores`` in `model/indexer.py`, ``sparse_attention`` in `model/attention.py`) and
-by forward pre-hooks naming the layer that runs; the model code is unchanged.
+Capture works by wrapping, for the duration of one forward, the functions the model modules
+call (``index_scores`` / ``candidate_scores`` in `model/indexer.py`, ``sparse_attention`` /
+``prefix_attention`` in `model/attention.py`) and by forward pre-hooks naming the layer that runs;
+the model code is unchanged. While capturing, candidate-restricted scoring is replaced by full
+scoring (the model masks with the candidates afterwards, so it selects the same rows), because the
+KL needs every causal entry's score.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def capture(model: Any) -> Iterator[Capture]:
     """Record index scores and attention queries of every layer during the forwards inside."""
     cap = Capture()
     orig_scores, orig_attn = indexer_mod.index_scores, attention_mod.sparse_attention
+    orig_cand, orig_prefix = indexer_mod.candidate_scores, attention_mod.prefix_attention
 
     def scores(*args: Any, **kw: Any) -> torch.Tensor:
         out = orig_scores(*args, **kw)
@@ -56,13 +60,24 @@ def capture(model: Any) -> Iterator[Capture]:
             cap.queries[cap.layer] = (q, scale)
         return orig_attn(q, kv, valid, sink, scale)
 
+    def cand(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
+             cap_rows: int) -> torch.Tensor:
+        return scores(q, w, keys, seq)
+
+    def prefix(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        if cap.layer is not None:
+            cap.queries[cap.layer] = (q, args[7])  # (win, starts, comp, mask, seq, rank, sink, scale)
+        return orig_prefix(q, *args)
+
     hooks = [blk.attn.register_forward_pre_hook(lambda m, a, i=i: setattr(cap, "layer", i))
              for i, blk in enumerate(model.layers)]
     indexer_mod.index_scores, attention_mod.sparse_attention = scores, attn
+    indexer_mod.candidate_scores, attention_mod.prefix_attention = cand, prefix
     try:
         yield cap
     finally:
         indexer_mod.index_scores, attention_mod.sparse_attention = orig_scores, orig_attn
+        indexer_mod.candidate_scores, attention_mod.prefix_attention = orig_cand, orig_prefix
         for h in hooks:
             h.remove()
 
