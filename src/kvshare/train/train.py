@@ -1,6 +1,8 @@
 """Train kvshare-mini-v41 on the CPython stdlib sources, on the CPU, through the inference model.
 
-    python -m kvshare.train.train --steps 450 --minutes 48 --out src/kvshare/models/kvshare-mini-v41
+    python -m kvshare.train.train --out runs/kvshare-mini-v41            # a run directory, never the package
+    python -m kvshare.train.train --init-from DIR ...                     # continue from a release's weights
+    python -m kvshare.train.install runs/kvshare-mini-v41                 # explicit step: ship it in the package
 
 Seeded and deterministic for a given (seed, steps, threads): model init from ``--seed``, data
 sampling from its own generator seeded ``seed + 1``. AdamW with a linear warm-up then cosine decay
@@ -29,7 +31,8 @@ from kvshare.model.loader import save_checkpoint
 from kvshare.train.data import build_manifest, load_split, sample_contexts, save_manifest, verify_manifest
 from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "kvshare-mini-v41"
+DEFAULT_OUT = Path("runs/kvshare-mini-v41")
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "models" / "kvshare-mini-v41"
 
 
 @dataclass
@@ -54,17 +57,25 @@ class TrainConfig:
     val_every: int = 50
     val_chunks: int = 8
     resume_every: int = 25
+    init_from: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_model(cfg_name: str, seed: int, quant: bool) -> torch.nn.Module:
-    """The inference Transformer, freshly initialised from `seed`, in fp32 for training."""
+def build_model(cfg_name: str, seed: int, quant: bool, init_from: str = "") -> torch.nn.Module:
+    """The inference Transformer in fp32 for training: freshly initialised from `seed`, or, with
+    `init_from` (a release directory), holding that release's weights (its config must equal `cfg_name`'s)."""
     from kvshare.model.deepseek import Transformer
+    from kvshare.model.loader import load_checkpoint, load_state_into
 
     cfg = load_config(cfg_name)
     torch.manual_seed(seed)
     model = Transformer(cfg, quant=quant)
     model.init_weights(seed)
+    if init_from:
+        src = load_config(init_from)
+        if src != cfg:
+            raise ValueError(f"--init-from {init_from}: its config differs from --model {cfg_name}'s")
+        load_state_into(model, {k: v.float() for k, v in load_checkpoint(init_from, cfg).items()})
     return model.float()
 
 
@@ -93,12 +104,13 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
     """Run training; save the checkpoint, manifest and log to `out_dir`. Returns the log dict."""
     torch.set_num_threads(tc.threads)
     manifest = build_manifest()
-    shipped = out_dir / "corpus_manifest.json"
-    if shipped.is_file():
-        verify_manifest(json.loads(shipped.read_text()))
+    for known in (out_dir / "corpus_manifest.json", PACKAGE_DIR / "corpus_manifest.json"):
+        if known.is_file():
+            verify_manifest(json.loads(known.read_text()))
+            break
     split = load_split(heldout=False)
     val = _val_set(tc)
-    model = build_model(tc.model, tc.seed, tc.quant)
+    model = build_model(tc.model, tc.seed, tc.quant, tc.init_from)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(tc.seed + 1)
@@ -174,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m kvshare.train.train", description=__doc__.split("\n")[0])
     for name in ("model", "seed", "steps", "minutes", "batch", "ctx_min", "ctx_max", "lr", "min_lr_ratio",
-                 "warmup", "weight_decay", "grad_clip", "indexer_weight", "threads", "val_every", "resume_every"):
+                 "warmup", "weight_decay", "grad_clip", "indexer_weight", "threads", "val_every", "resume_every",
+                 "init_from"):
         ap.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
     ap.add_argument("--no-quant", action="store_true", help="train without fake-quant (not the release setting)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="release directory")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="release directory (default runs/kvshare-mini-v41; `python -m kvshare.train.install` ships it)")
     ap.add_argument("--run-dir", type=Path, default=Path("runs/train"), help="resume state directory")
     ap.add_argument("--resume", action="store_true", help="continue from <run-dir>/resume.pt")
     a = ap.parse_args(argv)
