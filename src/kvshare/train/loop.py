@@ -80,11 +80,17 @@ def token_nll(
     return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay from `peak` to `peak * min_ratio` at `total`."""
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float, decay_start: int = 0) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay from `peak` to `peak * min_ratio` at `total`.
+
+    With `decay_start` > 0 the schedule is warm-up / stable / decay: `peak` until `decay_start`,
+    then the cosine runs over [decay_start, total] only."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    begin = max(warmup, decay_start)
+    if step < begin:
+        return peak
+    frac = min(1.0, (step - begin) / max(1, total - begin))
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 

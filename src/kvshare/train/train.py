@@ -58,6 +58,9 @@ class TrainConfig:
     val_chunks: int = 8
     resume_every: int = 25
     init_from: str = ""
+    decay_start: int = 0  # > 0: warm-up / stable / decay schedule (loop.lr_at)
+    decay_at_minutes: float = 0.0  # > 0: start the decay when this much wall time has passed (sets steps)
+    decay_frac: float = 0.25  # with decay_at_minutes: decay steps = stable steps * frac / (1 - frac)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,7 +136,14 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
     step = start
     stopped_early = False
     while step < tc.steps:
-        lr = lr_at(step, tc.steps, tc.lr, tc.warmup, tc.min_lr_ratio)
+        if tc.decay_at_minutes > 0 and not tc.decay_start and time.time() - t0 > tc.decay_at_minutes * 60:
+            tc.decay_start = max(step, tc.warmup)
+            tc.steps = tc.decay_start + max(1, round(tc.decay_start * tc.decay_frac / (1 - tc.decay_frac)))
+            log["config"].update(decay_start=tc.decay_start, steps=tc.steps)
+            print(f"decay starts at step {tc.decay_start}, ends at step {tc.steps} (reproduce with "
+                  f"--decay-start {tc.decay_start} --steps {tc.steps})", flush=True)
+        stable_until = tc.decay_start or (tc.steps if tc.decay_at_minutes > 0 else 0)
+        lr = lr_at(step, tc.steps, tc.lr, tc.warmup, tc.min_lr_ratio, stable_until)
         for g in opt.param_groups:
             g["lr"] = lr
         ctx = _contexts(split, tc, gen)
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvshare.train.train", description=__doc__.split("\n")[0])
     for name in ("model", "seed", "steps", "minutes", "batch", "ctx_min", "ctx_max", "lr", "min_lr_ratio",
                  "warmup", "weight_decay", "grad_clip", "indexer_weight", "threads", "val_every", "resume_every",
-                 "init_from"):
+                 "init_from", "decay_start", "decay_at_minutes", "decay_frac"):
         ap.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
     ap.add_argument("--no-quant", action="store_true", help="train without fake-quant (not the release setting)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
