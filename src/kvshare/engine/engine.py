@@ -193,7 +193,8 @@ class LLMEngine:
         self._stats.prompt_tokens += sum(c.length for c in chunks) - decodes
         if sampling:
             seqs = [chunks[i].seq for i in sampling]
-            picked = sample_isolated(self.sampler, logits, [s.params for s in seqs], [s.request_id for s in seqs])
+            picked = sample_isolated(self.sampler, logits, [s.params for s in seqs], [s.request_id for s in seqs],
+                                     [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
             now = time.perf_counter()
             for seq, got in zip(seqs, picked):
                 if isinstance(got, BaseException):

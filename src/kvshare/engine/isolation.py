@@ -80,17 +80,21 @@ def run_isolated(run: Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[
 
 
 def sample_isolated(sample: Callable[..., tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor,
-                    params: list[Any], request_ids: list[str]) -> list[tuple[int, float] | BaseException]:
-    """Sample all rows at once; if that raises, row by row. Returns per row (token, logprob) or the error."""
+                    params: list[Any], request_ids: list[str],
+                    histories: list[Any] | None = None) -> list[tuple[int, float] | BaseException]:
+    """Sample all rows at once; if that raises, row by row. Returns per row (token, logprob) or the error.
+
+    `histories` (each row's prompt and output ids, for penalties) is passed on, sliced like the rows."""
     try:
-        tokens, logprobs = sample(logits, params, request_ids)
+        tokens, logprobs = sample(logits, params, request_ids, histories)
         return list(zip(tokens.tolist(), logprobs.tolist()))
     except Exception:  # noqa: BLE001 - find the row(s) at fault
         pass
     results: list[tuple[int, float] | BaseException] = []
     for i in range(len(params)):
         try:
-            t, lp = sample(logits[i:i + 1], params[i:i + 1], request_ids[i:i + 1])
+            t, lp = sample(logits[i:i + 1], params[i:i + 1], request_ids[i:i + 1],
+                           None if histories is None else histories[i:i + 1])
             results.append((int(t[0]), float(lp[0])))
         except Exception as e:  # noqa: BLE001
             results.append(e)

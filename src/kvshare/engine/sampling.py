@@ -1,11 +1,14 @@
 """SamplingParams and the batched Sampler.
 
-Sampling of one step is batched over all sequences: temperature scaling, top-k and top-p masks
-are tensor ops over [N, vocab]. Greedy rows (temperature == 0) take the argmax (ties: lowest id).
-Random rows draw with the exponential race ``argmax(p / E)``, E ~ Exp(1), which samples from p;
-rows without a seed draw E from the engine's generator in one call, rows with a seed draw from
-their own ``torch.Generator`` seeded once per request, so a seeded request's tokens do not depend
-on what else is in the batch (one small draw per seeded row).
+Sampling of one step is batched over all sequences, in this order (vLLM's): penalties
+(`penalties.py`, only on rows that ask), then greedy rows (temperature == 0) take the argmax
+(ties: lowest id) with no softmax or sort; random rows are divided by their temperature, masked
+by ``min_p`` (drop tokens whose probability is below ``min_p`` times the row's largest, done in
+logit space: ``x < max + log(min_p)``), then by top-k / top-p (a sort, only over the rows that
+ask for one), and draw with the exponential race ``argmax(x - log E)``, E ~ Exp(1), which samples
+from ``softmax(x)`` without computing it. Rows without a seed draw E from the engine's generator
+in one call; rows with a seed draw from their own ``torch.Generator`` seeded once per request, so
+a seeded request's tokens do not depend on what else is in the batch (one small draw per seeded row).
 
 The returned logprob is that of the chosen token under the model's unmodified distribution
 (``log_softmax`` of the raw logits), as vLLM reports by default.
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshare.engine.param_ranges import check_ranges
+from kvshare.engine.penalties import History, apply_penalties
 from kvshare.errors import RequestError
 
 
@@ -35,6 +39,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0  # in [-2, 2]; subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]; subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, 1 = off; over prompt + output (see penalties.py)
+    min_p: float = 0.0  # in [0, 1]; 0 = off
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> RequestError:
@@ -48,6 +56,15 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or math.isnan(p) or not 0 < p <= 1:
             raise bad(f"top_p must be in (0, 1], got {p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0 < r <= 1e6:
+            raise bad(f"repetition_penalty must be a number > 0 (1 = off), got {r!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -64,6 +81,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class Sampler:
@@ -87,40 +112,77 @@ class Sampler:
         self._seq_generators.pop(request_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+        histories: list[History] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (tokens [N] int64, logprobs [N] fp32 of the chosen tokens)."""
-        logits = logits.float()
-        n, vocab = logits.shape
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        greedy = temp == 0
+        """Return (tokens [N] int64, logprobs [N] fp32 of the chosen tokens).
+
+        `histories[i]` is row i's (prompt ids, output ids); needed only when a row has penalties.
+        The logprob is under the raw logits (before penalties, temperature and filters).
+        """
+        raw = logits.float()
+        n, vocab = raw.shape
+        dev = raw.device
+        logits = self._penalised(raw, params, histories)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            probs = _filtered_probs(logits, temp.clamp_min(1e-6), top_k.clamp(1, vocab), top_p)
-            race = torch.empty_like(probs).exponential_(generator=self.generator)
-            seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature > 0]
-            for i in seeded:  # per-request streams: one draw per seeded row
-                g = self.generator_for(request_ids[i], int(params[i].seed))  # type: ignore[arg-type]
-                race[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
-            sampled = (probs / race).argmax(dim=-1)
-            tokens = torch.where(greedy, tokens, sampled)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        rand = [i for i, p in enumerate(params) if p.temperature > 0]
+        if rand:
+            idx = torch.tensor(rand, dtype=torch.int64, device=dev)
+            rp = [params[i] for i in rand]
+            temp = torch.tensor([p.temperature for p in rp], dtype=torch.float32, device=dev)
+            x = logits.index_select(0, idx) / temp[:, None]
+            if any(p.min_p > 0 for p in rp):
+                min_p = torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=dev)
+                x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + min_p.log()[:, None], float("-inf"))
+            filt = [j for j, p in enumerate(rp) if 0 < p.top_k < vocab or p.top_p < 1]
+            if filt:
+                fi = torch.tensor(filt, dtype=torch.int64, device=dev)
+                top_k = torch.tensor([rp[j].top_k if 0 < rp[j].top_k < vocab else vocab for j in filt],
+                                     dtype=torch.int64, device=dev)
+                top_p = torch.tensor([rp[j].top_p for j in filt], dtype=torch.float32, device=dev)
+                x = x.index_copy(0, fi, _top_k_top_p(x.index_select(0, fi), top_k, top_p))
+            race = torch.empty_like(x).exponential_(generator=self.generator)
+            for j, p in enumerate(rp):  # per-request streams: one draw per seeded row
+                if p.seed is not None:
+                    g = self.generator_for(request_ids[rand[j]], int(p.seed))
+                    race[j] = torch.empty(vocab, device=dev).exponential_(generator=g)
+            sampled = (x - race.clamp_min(torch.finfo(race.dtype).tiny).log()).argmax(dim=-1)
+            tokens = tokens.index_copy(0, idx, sampled)
+        logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
         return tokens, logprobs
 
+    @staticmethod
+    def _penalised(logits: torch.Tensor, params: list[SamplingParams],
+                   histories: list[History] | None) -> torch.Tensor:
+        """`logits` with each penalised row's penalties applied (the same tensor when no row has any)."""
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return logits
+        if histories is None or len(histories) != len(params):
+            raise ValueError("Sampler: penalties need each row's (prompt ids, output ids) history")
+        dev = logits.device
+        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
 
-def _filtered_probs(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax of logits/temp restricted to each row's top-k and top-p set (batched)."""
-    scaled = logits / temp[:, None]
-    sorted_vals, order = scaled.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+        def vec(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev)
+
+        sub = apply_penalties(logits.index_select(0, idx), [histories[i] for i in rows],
+                              vec("repetition_penalty"), vec("frequency_penalty"), vec("presence_penalty"))
+        return logits.index_copy(0, idx, sub)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`x` [M, vocab] with everything outside each row's top-k and top-p set set to -inf (batched).
+
+    The top-p set is the smallest prefix of the descending order whose probability reaches top_p
+    (the first token is always kept); ties keep the lower id first.
+    """
+    sorted_vals, order = x.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(x.shape[1], device=x.device)[None, :]
     drop = rank >= top_k[:, None]
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
     sp = torch.softmax(sorted_vals, dim=-1)
     before = sp.cumsum(dim=-1) - sp  # mass strictly above this entry
     drop = drop | ((before >= top_p[:, None]) & (rank > 0))
     sorted_vals = sorted_vals.masked_fill(drop, float("-inf"))
-    masked = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_vals)
-    return torch.softmax(masked, dim=-1)
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_vals)
