@@ -16,28 +16,72 @@ from typing import Any, Callable
 from kvshare.cli.engine_args import add_engine_args, build_engine
 
 
+# flag dest -> the fallback when neither the user nor the model's generation_config.json sets it
+SAMPLING_FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                      "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
-    """The sampling flags shared by `generate` and `chat`."""
-    g = parser.add_argument_group("sampling")
+    """The sampling flags shared by `generate` and `chat`.
+
+    Flags left unset take the model's ``generation_config.json`` value, else the fallback named in
+    their help."""
+    g = parser.add_argument_group("sampling (unset flags: the model's generation_config.json, else the default)")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"most tokens to generate (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="softmax temperature; 0 = greedy (default 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0 = off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0 = off)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="softmax temperature; 0 = greedy (fallback 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (fallback 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (fallback 0 = off)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than this fraction of the likeliest, in [0, 1] (fallback 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0; divides positive / multiplies negative logits of prompt and output tokens "
+                        "(fallback 1.0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="in [-2, 2]; subtracted from tokens already generated (fallback 0)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="in [-2, 2]; subtracted per earlier occurrence in the output (fallback 0)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text is generated (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--verbose", action="store_true",
+                   help="print the seed and the sampling settings in use (to stderr)")
 
 
 def sampling_params_from(args: argparse.Namespace, stop: list[str] | None = None) -> Any:
-    """SamplingParams from the sampling flags (and --seed); RequestError on bad values."""
+    """SamplingParams from the sampling flags, the model's generation defaults and --seed.
+
+    Without --seed a fresh random seed is drawn and stored in ``args.seed``, so the engine's
+    stream and the request use it (a run with ``--seed N`` reproduces one without). RequestError
+    on bad values (before any model is built)."""
+    import secrets
+
+    from kvshare.engine.generation_config import generation_defaults
     from kvshare.engine.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=list(args.stop) + list(stop or []),
-                            ignore_eos=args.ignore_eos)
+    model_defaults = generation_defaults(getattr(args, "model", None) or "kvshare-mini-v41")
+    chosen: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, fallback in SAMPLING_FALLBACKS.items():
+        value = getattr(args, key, None)
+        if value is not None:
+            chosen[key], source[key] = value, "flag"
+        elif key in model_defaults:
+            chosen[key], source[key] = model_defaults[key], "model"
+        else:
+            chosen[key], source[key] = fallback, "default"
+    if getattr(args, "seed", None) is None:
+        args.seed = secrets.randbelow(2**31)
+        seed_src = "fresh"
+    else:
+        seed_src = "flag"
+    params = SamplingParams(**chosen, seed=args.seed, max_tokens=args.max_tokens,
+                            stop=list(args.stop) + list(stop or []), ignore_eos=args.ignore_eos)
     params.validate()
+    if getattr(args, "verbose", False):
+        settings = ", ".join(f"{k}={v} ({source[k]})" for k, v in chosen.items())
+        print(f"seed: {args.seed} ({seed_src}; rerun with --seed {args.seed})\nsampling: {settings}", file=sys.stderr)
     return params
 
 

@@ -221,4 +221,6 @@ def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_pro
                        code="context_length_exceeded")
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
                           max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos,
-                          logprobs=req.wants_logprobs, stop_token_ids=list(req.stop_token_ids or []))
+                          logprobs=req.wants_logprobs, stop_token_ids=list(req.stop_token_ids or []),
+                          min_p=req.min_p, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)

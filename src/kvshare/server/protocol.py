@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvshare.engine.param_ranges import MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, TOP_K_MAX
 
@@ -47,6 +47,10 @@ class _SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = Field(default=None, validate_default=True)
@@ -68,6 +72,27 @@ class _SamplingRequest(BaseModel):
     def _top_p(cls, v: float) -> float:
         if math.isnan(v) or not 0 < v <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float, info: ValidationInfo) -> float:
+        if math.isnan(v) or not -2 <= v <= 2:
+            raise ValueError(f"{info.field_name} must be in [-2, 2]")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError("repetition_penalty must be a finite number > 0 (1 = off)")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float) -> float:
+        if math.isnan(v) or not 0 <= v <= 1:
+            raise ValueError("min_p must be in [0, 1]")
         return v
 
     @field_validator("top_k")
