@@ -140,3 +140,40 @@ def test_byte_baselines_prefer_seen_bytes(tmp_path: Path) -> None:
     ng = ByteNgram(stream)
     bpb = ng.bits_per_byte([torch.tensor(list(b"abab"))])
     assert bpb["bigram"] < bpb["unigram"] < 8.0
+
+
+def test_wsd_schedule_is_flat_then_cosine() -> None:
+    peak, lo = 1e-3, 0.1
+    for step in (10, 40, 69):
+        assert lr_at(step, 100, peak, 10, lo, decay_start=70) == peak
+    for step in (70, 80, 85, 99, 100):
+        frac = (step - 70) / 30
+        want = peak * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
+        assert lr_at(step, 100, peak, 10, lo, decay_start=70) == pytest.approx(want, rel=1e-12)
+    assert lr_at(3, 100, peak, 10, lo, decay_start=70) == pytest.approx(peak * 4 / 10)
+
+
+def test_training_writes_to_a_run_directory_and_install_is_explicit(tmp_path: Path) -> None:
+    from kvshare.model.loader import save_checkpoint
+    from kvshare.shipped import MODEL_DIR
+    from kvshare.train.install import install
+    from kvshare.train.train import DEFAULT_OUT, build_model
+
+    assert not DEFAULT_OUT.is_absolute() and DEFAULT_OUT.parts[0] == "runs"  # never the package by default
+    cfg = load_config("kvshare-mini-v41")
+    model = Transformer(cfg, quant=True).init_weights(4)
+    release = tmp_path / "release"
+    save_checkpoint({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, cfg, release)
+    # --init-from: the release's (bf16) weights, not the seed's
+    again = build_model("kvshare-mini-v41", 0, True, str(release))
+    w = "layers.0.attn.wq_a.weight"
+    assert torch.equal(again.state_dict()[w], model.state_dict()[w].to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="config differs"):
+        build_model("tiny-v41", 0, True, str(release))
+    (release / "generation_config.json").write_text('{"temperature": 0.5}')
+    dest = tmp_path / "pkg" / "kvshare-mini-v41"
+    assert install(release, dest) == ["config.json", "model.safetensors", "generation_config.json"]
+    assert (dest / "model.safetensors").read_bytes() == (release / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="MB limit"):
+        install(release, dest, max_mb=1.0)
+    assert dest.parent != MODEL_DIR

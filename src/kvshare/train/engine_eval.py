@@ -12,7 +12,7 @@ Each piece is one request ``[bos] + piece`` with ``max_tokens=1``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,11 @@ def build_llm(model: Any, chunk: int, max_num_batched_tokens: int = 256, max_num
 
 
 @torch.inference_mode()
-def engine_bits_per_byte(llm: LLM, pieces: list[torch.Tensor]) -> float:
-    """Bits per byte of the engine's model on the pieces (each ``[bos] + piece``, every byte scored)."""
+def engine_bits_per_byte(llm: LLM, pieces: list[torch.Tensor],
+                         progress: Callable[[int, int], None] | None = None) -> float:
+    """Bits per byte of the engine's model on the pieces (each ``[bos] + piece``, every byte scored).
+
+    `progress(done, total)` is called after each engine step with the number of finished pieces."""
     engine = llm.engine
     scorer = ScoringRunner(engine.runner)
     saved, engine.runner = engine.runner, scorer
@@ -87,8 +90,11 @@ def engine_bits_per_byte(llm: LLM, pieces: list[torch.Tensor]) -> float:
             rid = f"score-{i}"
             engine.add_request(rid, [BOS] + [int(b) for b in p.tolist()], params)
             ids.append(rid)
+        done = 0
         while engine.has_unfinished_requests():
-            engine.step()
+            done += sum(1 for o in engine.step() if o.finished)
+            if progress is not None:
+                progress(done, len(ids))
     finally:
         engine.runner = saved
     nats = sum(scorer.nll[r][0] for r in ids)
