@@ -128,9 +128,12 @@ def test_dense_and_engine_bits_per_byte_agree_on_a_tiny_model() -> None:
     model = _tiny_byte_model(seed=1)
     g = torch.Generator().manual_seed(0)
     pieces = [torch.randint(32, 127, (n,), generator=g) for n in (70, 45, 90, 12)]
-    dense = dense_bits_per_byte(model, pieces, seqs_per_step=3)
+    calls: dict[str, list[tuple[int, int]]] = {"dense": [], "engine": []}
+    dense = dense_bits_per_byte(model, pieces, seqs_per_step=3, progress=lambda d, t: calls["dense"].append((d, t)))
     llm = build_llm(model, 96, max_num_batched_tokens=32, max_num_seqs=2)  # forces chunked prefill
-    engine = engine_bits_per_byte(llm, pieces)
+    engine = engine_bits_per_byte(llm, pieces, lambda d, t: calls["engine"].append((d, t)))
+    assert calls["dense"] == [(3, 4), (4, 4)]  # progress after each step of 3 pieces
+    assert calls["engine"][-1] == (4, 4) and len(calls["engine"]) > 4  # chunked: more steps than pieces
     assert math.isfinite(dense) and dense > 0
     assert round(dense, 3) == round(engine, 3) or abs(dense - engine) < 5e-4
 

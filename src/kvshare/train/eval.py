@@ -73,13 +73,24 @@ def progress_printer(label: str, every_s: float = 10.0) -> Callable[[int, int], 
     return report
 
 
-def generate_samples(llm: Any, prompts: tuple[str, ...] = PROMPTS, max_tokens: int = 120) -> list[dict[str, str]]:
-    """Greedy and seeded-sampled continuations (temperature 0.8, top-p 0.95) of each prompt through the engine."""
+def default_params(model: str, max_tokens: int, greedy: bool, seed: int | None = None) -> Any:
+    """SamplingParams with `model`'s generation_config.json defaults; `greedy` sets temperature 0
+    (keeping the model's penalties and filters), as ``kvshare generate --temperature 0`` does."""
+    from kvshare.engine.generation_config import generation_defaults
     from kvshare.engine.sampling import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate(list(prompts), greedy, use_tqdm=False)
-    sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens) for i in range(len(prompts))]
+    kw = generation_defaults(model)
+    if greedy:
+        kw["temperature"] = 0.0
+    return SamplingParams(**kw, seed=seed, max_tokens=max_tokens)
+
+
+def generate_samples(llm: Any, model: str, prompts: tuple[str, ...] = PROMPTS,
+                     max_tokens: int = 120) -> list[dict[str, str]]:
+    """Greedy and seeded-sampled continuations of each prompt through the engine, with the
+    model's generation defaults (greedy = the same with temperature 0); sample i uses seed i."""
+    outs = llm.generate(list(prompts), default_params(model, max_tokens, greedy=True), use_tqdm=False)
+    sampled = [default_params(model, max_tokens, greedy=False, seed=i) for i in range(len(prompts))]
     souts = llm.generate(list(prompts), sampled, use_tqdm=False)
     return [{"prompt": p, "greedy": g.text, "sampled": s.text} for p, g, s in zip(prompts, outs, souts)]
 
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("model, engine (paged, chunked prefill)", engine_bits_per_byte(llm, pieces, progress_printer("engine"))))
         timing["engine_s"] = round(time.time() - t, 1)
         print(f"engine: {rows[1][1]:.4f} bits/byte ({timing['engine_s']} s)", flush=True)
-        samples = generate_samples(llm, max_tokens=a.max_tokens)
+        samples = generate_samples(llm, a.model, max_tokens=a.max_tokens)
     rows += [("bigram baseline", base["bigram"]), ("unigram baseline", base["unigram"])]
     print(format_table(rows, n_bytes))
     print(f"timing: {timing}")
