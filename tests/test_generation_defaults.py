@@ -77,7 +77,7 @@ def test_no_seed_draws_a_fresh_one_and_verbose_prints_it(tmp_path, capsys):
 
 def run_generate(*extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvshare", "generate", "def ", "--model", "tiny-v41", "--max-tokens", "12",
-           "--temperature", "1.0", "--quiet", "--verbose", *extra]
+           "--temperature", "1.0", "--quiet", "--verbose", "--random-weights", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
 
 
