@@ -180,3 +180,13 @@ def test_training_writes_to_a_run_directory_and_install_is_explicit(tmp_path: Pa
     with pytest.raises(ValueError, match="MB limit"):
         install(release, dest, max_mb=1.0)
     assert dest.parent != MODEL_DIR
+
+
+def test_recipe_chains_stage2_onto_stage1_with_the_recorded_schedule(tmp_path: Path) -> None:
+    from kvshare.train.recipe import STAGE2_DECAY_START, STAGE2_STEPS, stage_configs
+
+    s1, s2 = stage_configs(tmp_path / "stage1")
+    assert (s1.steps, s1.lr, s1.seed, s1.init_from) == (450, 2e-3, 0, "")  # the first release's recipe
+    assert s2.init_from == str(tmp_path / "stage1") and s2.seed != s1.seed
+    assert 0 < s2.decay_start == STAGE2_DECAY_START < s2.steps == STAGE2_STEPS
+    assert s1.minutes >= 1e9 and s2.minutes >= 1e9  # no wall-clock cap: a function of the step counts
