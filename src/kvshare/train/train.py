@@ -128,6 +128,7 @@ def train(tc: TrainConfig, out_dir: Path, run_dir: Path, resume: bool = False) -
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         log, start, elapsed0 = st["log"], st["step"], st["elapsed"]
+        log.setdefault("resumes", []).append({"step": start, "config": asdict(tc)})  # flags may differ
         print(f"resumed at step {start}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {tc.model}: {n_params / 1e6:.2f}M params; train {split.num_bytes} bytes; "
