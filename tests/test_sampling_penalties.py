@@ -164,3 +164,13 @@ def test_engine_penalised_greedy_matches_dense_recomputation(tiny_model):
             plain.append(int(logits[-1].argmax()))
     assert got == out
     assert out != plain  # the penalties changed the output, so the comparison is not vacuous
+
+
+def test_penalties_are_refused_with_speculative_decoding():
+    from kvshare.llm import LLM
+
+    eng = LLM("tiny-v41-dspark", speculative_config={"method": "dspark", "num_speculative_tokens": 2}).engine
+    for kw in (dict(frequency_penalty=0.2), dict(repetition_penalty=1.1), dict(min_p=0.1)):
+        with pytest.raises(RequestError, match="speculative"):
+            eng.add_request("r", [5, 9], SamplingParams(max_tokens=2, **kw))
+    eng.add_request("ok", [5, 9], SamplingParams(temperature=0, max_tokens=2))
