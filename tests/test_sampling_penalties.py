@@ -166,11 +166,40 @@ def test_engine_penalised_greedy_matches_dense_recomputation(tiny_model):
     assert out != plain  # the penalties changed the output, so the comparison is not vacuous
 
 
-def test_penalties_are_refused_with_speculative_decoding():
-    from kvshare.llm import LLM
+def test_penalised_requests_decode_plainly_beside_speculating_ones():
+    """With speculation on, a request using penalties gives the tokens of a plain engine (it is
+    never drafted for, and its sampler row gets its history) while a plain greedy request in the
+    same steps speculates; min_p requests likewise take the plain path."""
+    from test_speculative_exact import SPEC, model_and_prompts
 
-    eng = LLM("tiny-v41-dspark", speculative_config={"method": "dspark", "num_speculative_tokens": 2}).engine
-    for kw in (dict(frequency_penalty=0.2), dict(repetition_penalty=1.1), dict(min_p=0.1)):
-        with pytest.raises(RequestError, match="speculative"):
-            eng.add_request("r", [5, 9], SamplingParams(max_tokens=2, **kw))
-    eng.add_request("ok", [5, 9], SamplingParams(temperature=0, max_tokens=2))
+    model, prompts, refs = model_and_prompts()
+    prompt = prompts[2] + refs[2][:8]  # holds tokens the model likes to emit, so the penalties bite
+    params = {"pen": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=3.0,
+                                    frequency_penalty=2.0, presence_penalty=1.0),
+              "minp": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_p=0.2),
+              "greedy": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)}
+
+    drafted_for: set[str] = set()
+
+    def record(seq, k):  # the test hook that replaces the DSpark proposal
+        drafted_for.add(seq.request_id)
+        return [0] * k
+
+    def outputs(spec):
+        eng = LLMEngine(model, speculative_config=spec, dtype=torch.float64)
+        if spec is not None:
+            eng.speculator.draft_override = record
+        for name, p in params.items():
+            eng.add_request(name, prompt, p)
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.token_ids
+        return done, eng
+
+    plain, _ = outputs(None)
+    spec, _ = outputs(SPEC)
+    assert spec == plain
+    assert plain["pen"] != plain["greedy"]  # the penalties changed the output
+    assert drafted_for == {"greedy"}

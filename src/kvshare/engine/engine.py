@@ -137,9 +137,6 @@ class LLMEngine:
             params.validate(self.cfg.vocab_size)
         except RequestError as e:
             raise RequestError(f"request {request_id!r}: {e}") from None
-        if self.speculator is not None and (params.has_penalties or params.min_p > 0):
-            raise RequestError(f"request {request_id!r}: presence_penalty, frequency_penalty, repetition_penalty "
-                               "and min_p are not supported with speculative decoding yet; leave them at 0 / 1 / 0")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:

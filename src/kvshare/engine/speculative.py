@@ -5,7 +5,7 @@ One ``step(sched)`` replaces the engine's forward + sample for every scheduled c
 1. **Propose.** Decode chunks (one uncomputed token, the anchor, already generated) of requests
    that may speculate get up to K drafts: one batched draft forward of all their blocks, then the
    Markov loop (K sequential positions, batched over sequences). A request speculates unless it
-   uses penalties (they depend on every earlier token) or has < 2 tokens left to generate. Each
+   uses penalties or min_p (acceptance applies neither) or has < 2 tokens left to generate. Each
    gets blocks for positions a .. a+K_i; K_i shrinks to what the pool, the step's token budget and
    max_model_len allow (0: it decodes plainly in the same step).
 2. **Verify.** One target forward over every chunk, drafts appended to their chunk; taps at the
@@ -43,8 +43,6 @@ from kvshare.model.dspark import DSparkDraft
 from kvshare.runtime import StepState
 
 log = logging.getLogger(__name__)
-_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-_PENALTY_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 class Speculator:
@@ -72,7 +70,9 @@ class Speculator:
         p = c.seq.params
         if not self._is_decode(c):
             return False
-        return all(getattr(p, a, _PENALTY_OFF[a]) == _PENALTY_OFF[a] for a in _PENALTIES)
+        # Penalties depend on every earlier token and min_p reshapes the target distribution; the
+        # acceptance rule applies neither, so such requests decode plainly in the same step.
+        return not p.has_penalties and p.min_p == 0
 
     def _budget(self, chunks: list[ScheduledChunk], left: list[int]) -> list[tuple[int, int]]:
         """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks. `left[0]`:
@@ -171,7 +171,8 @@ class Speculator:
         if plain:
             rows = torch.tensor([ends[i] - 1 for i in plain])
             seqs = [chunks[i].seq for i in plain]
-            toks, lps = eng.sampler(logits[rows].float(), [s.params for s in seqs], [s.request_id for s in seqs])
+            toks, lps = eng.sampler(logits[rows].float(), [s.params for s in seqs], [s.request_id for s in seqs],
+                                    [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
             for i, t, lp, r in zip(plain, toks.tolist(), lps.tolist(), rows.tolist()):
                 new_tokens[i] = ([t], [lp], logits[r])
         if picked:
