@@ -99,6 +99,22 @@ def test_server_fields_validate_and_reach_sampling_params():
             CompletionRequest(prompt="x", **bad)
     req = CompletionRequest(prompt="x", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3,
                             min_p=0.1)
-    state = SimpleNamespace(max_model_len=64, default_max_tokens=8)
+    state = SimpleNamespace(max_model_len=64, default_max_tokens=8, sampling_defaults={})
     p = _sampling_params(state, req, None, 2, "prompt")
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -0.5, 1.3, 0.1)
+
+
+def test_server_fills_unset_fields_from_the_model_defaults():
+    """vLLM's behaviour: a request field the client leaves out takes the model's
+    generation_config.json value; one the client sends (even the protocol default) wins."""
+    from kvshare.server.app import _sampling_params
+    from kvshare.server.protocol import CompletionRequest
+
+    shipped = generation_defaults("kvshare-mini-v41")
+    assert shipped == {"temperature": 0.7, "top_p": 0.95, "frequency_penalty": 0.2}  # the shipped file
+    state = SimpleNamespace(max_model_len=64, default_max_tokens=8, sampling_defaults=shipped)
+    p = _sampling_params(state, CompletionRequest(prompt="x"), None, 2, "prompt")
+    assert (p.temperature, p.top_p, p.frequency_penalty, p.presence_penalty) == (0.7, 0.95, 0.2, 0.0)
+    p = _sampling_params(state, CompletionRequest(prompt="x", temperature=1.0, frequency_penalty=0.0), None, 2,
+                         "prompt")
+    assert (p.temperature, p.top_p, p.frequency_penalty) == (1.0, 0.95, 0.0)

@@ -32,6 +32,7 @@ def served_name(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kvshare serve`."""
+    from kvshare.engine.generation_config import generation_defaults
     from kvshare.server.app import create_app
     from kvshare.server.limits import RequestLimits
     from kvshare.server.security import AccessPolicy
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=max_model_len_of(engine),
         default_max_tokens=args.default_max_tokens,
         limits=limits, access=access, watchdog_timeout_s=args.watchdog_timeout,
+        sampling_defaults=generation_defaults(args.model or "kvshare-mini-v41"),
     )
     state = app.state.kvshare
 

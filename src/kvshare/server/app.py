@@ -42,8 +42,11 @@ Handler = Callable[[Request], Awaitable[Response]]
 def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_requests: int = 64,
                max_model_len: int | None = None, default_max_tokens: int = 256,
                limits: RequestLimits | None = None, access: AccessPolicy | None = None,
-               watchdog_timeout_s: float = 60.0) -> FastAPI:
+               watchdog_timeout_s: float = 60.0, sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
     """An app serving `engine` (an `LLMEngine`) under the model id `model_name`.
+
+    `sampling_defaults` (the model's generation_config.json, as `generation_defaults` reads it)
+    fill the sampling fields a request leaves unset; a field the client sends always wins.
 
     The engine loop thread starts with the app and stops with it.
     """
@@ -51,7 +54,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     loop = EngineLoop(engine)
     state = ServerState(loop=loop, tokenizer=tokenizer, model_name=model_name,
                         max_concurrent_requests=max_concurrent_requests, max_model_len=max_model_len,
-                        default_max_tokens=default_max_tokens, metrics=loop.metrics)
+                        default_max_tokens=default_max_tokens, metrics=loop.metrics,
+                        sampling_defaults=dict(sampling_defaults or {}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -219,8 +223,14 @@ def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_pro
         raise APIError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this "
                             f"model's context of {limit} tokens", param="max_tokens",
                        code="context_length_exceeded")
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-                          max_tokens=max_tokens, stop=list(req.stop), ignore_eos=req.ignore_eos,
-                          logprobs=req.wants_logprobs, stop_token_ids=list(req.stop_token_ids or []),
-                          min_p=req.min_p, presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+    sampling = {k: getattr(req, k) for k in _SAMPLING_FIELDS}
+    sampling.update({k: v for k, v in state.sampling_defaults.items()
+                     if k in _SAMPLING_FIELDS and k not in req.model_fields_set})
+    return SamplingParams(**sampling, seed=req.seed, max_tokens=max_tokens, stop=list(req.stop),
+                          ignore_eos=req.ignore_eos, logprobs=req.wants_logprobs,
+                          stop_token_ids=list(req.stop_token_ids or []))
+
+
+# Request fields a model's generation_config.json may default (a field the client sends wins).
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")

@@ -45,6 +45,7 @@ class ServerState:
     max_concurrent_requests: int = 64
     max_model_len: int | None = None
     default_max_tokens: int = 256
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's generation_config
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     active: int = 0
     draining: bool = False
