@@ -10,12 +10,16 @@ Invariants:
 
 * Block 0 is the null block: never handed out, never freed; padding entries of a block table
   point at it, so a padded lookup reads a block nobody owns.
-* A block is on the free list iff its reference count is 0.
+* A block with reference count 0 is either free or, when it holds a cached prefix block
+  (``is_cached``), evictable: it stays matchable, in LRU order, until ``allocate`` runs out of free
+  blocks and reclaims the least recently released one (``on_evict`` tells the prefix cache).
+  ``num_free`` counts both, so admission sees every block it could get.
 * -1 is never used as a tensor index (callers mask it before addressing).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -33,10 +37,22 @@ class BlockAllocator:
         # Pop from the end: lowest ids are handed out first.
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
         self._ref = [0] * num_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with refcount 0, oldest first
+        self.is_cached: Callable[[int], bool] = lambda block: False
+        self.on_evict: Callable[[int], None] = lambda block: None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def evictable(self) -> list[int]:
+        """Evictable cached blocks, the next one `allocate` reclaims first."""
+        return list(self._lru)
 
     @property
     def num_usable(self) -> int:
@@ -54,9 +70,16 @@ class BlockAllocator:
         """Hand out n blocks with reference count 1; raises MemoryError if fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise MemoryError(f"need {n} blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise MemoryError(f"need {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                out.append(self._free.pop())
+            else:
+                b, _ = self._lru.popitem(last=False)
+                self.on_evict(b)
+                out.append(b)
         for b in out:
             self._ref[b] = 1
         return out
@@ -65,6 +88,13 @@ class BlockAllocator:
         """Share an allocated block (one more holder)."""
         if block == NULL_BLOCK or self._ref[block] <= 0:
             raise ValueError(f"block {block} is not allocated")
+        self._ref[block] += 1
+
+    def acquire(self, block: int) -> None:
+        """Take one reference to a cached block, in use or evictable (a prefix-cache hit)."""
+        if block == NULL_BLOCK or (self._ref[block] == 0 and block not in self._lru):
+            raise ValueError(f"block {block} is neither allocated nor cached")
+        self._lru.pop(block, None)
         self._ref[block] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -76,7 +106,10 @@ class BlockAllocator:
                 raise ValueError(f"double free of block {b}")
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free.append(b)
+                if self.is_cached(b):
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
 
 
 class SlotAllocator:
@@ -158,10 +191,24 @@ class BlockManager:
             self.tables[slot, keep:len(ids)] = 0
             del ids[keep:]
 
+    def adopt(self, slot: int, blocks: list[int]) -> None:
+        """Put cached blocks (a prefix hit) at the start of an empty slot's table, one reference each."""
+        if self.block_ids[slot]:
+            raise ValueError(f"slot {slot} already holds blocks")
+        if len(blocks) > self.max_blocks_per_seq:
+            raise ValueError(f"{len(blocks)} blocks exceed max_model_len's {self.max_blocks_per_seq} blocks")
+        for b in blocks:
+            self.allocator.acquire(b)
+        if blocks:
+            self.tables[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64).to(self.tables.device)
+        self.block_ids[slot] = list(blocks)
+
     def release(self, slot: int) -> None:
-        """Free the slot's blocks and the slot itself (finish, abort or preemption)."""
+        """Free the slot's blocks and the slot itself (finish, abort or preemption).
+
+        Tail first, so the LRU reclaims a sequence's last blocks before the prefix others share."""
         ids = self.block_ids.pop(slot)
-        self.allocator.free(ids)
+        self.allocator.free(ids[::-1])
         self.tables[slot].zero_()
         self.slots.free(slot)
 

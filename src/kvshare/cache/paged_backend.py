@@ -43,6 +43,7 @@ class PagedBackend:
         self._pending_keys: set[tuple[str, int]] = set()
         self._step: int | None = None
         self._reads = StepReadCache()
+        self.capture = None  # a checkpoint.BoundaryCapture for the current step, set by the engine
 
     # ---- step boundaries -------------------------------------------------------------------------
     def _begin(self, batch: StepBatch) -> None:
@@ -82,6 +83,8 @@ class PagedBackend:
         out = out.masked_fill(~valid[..., None], 0)
         key = (name, layer)
         if key not in self._pending_keys:
+            if self.capture is not None:  # prefix caching: ring rows at a block boundary (cache/checkpoint.py)
+                self.capture.take(name, layer, ring, fmt, values, depth, batch)
             self._pending_keys.add(key)
             keep = batch.positions >= (batch.ends - phys)[batch.seq_index]
             idx = keep.nonzero().squeeze(1)

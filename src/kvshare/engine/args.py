@@ -8,8 +8,9 @@ keep the model's own fake-quant setting; pool = ``num_blocks``, else what ``gpu_
 holds after every slot's rings, else enough blocks for ``max_num_seqs`` full-length sequences
 (capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds);
 ``engram_table`` "mmap" = Engram tables memory-mapped from the checkpoint (resident memory stays
-small; rows come from the page cache), "memory" = read into RAM at load (fastest lookups).
-``threads`` None = `resolve_threads`.
+small; rows come from the page cache), "memory" = read into RAM at load (fastest lookups);
+``threads`` None = `resolve_threads`; ``enable_prefix_caching`` True = exact prefix caching
+(``engine/prefix_caching.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.cache.checkpoint import checkpoint_bytes
 from kvshare.cache.layout import CacheLayout
 from kvshare.config import ModelConfig
 from kvshare.errors import SetupError
@@ -48,6 +50,8 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # {"method": "dspark", "num_speculative_tokens": 5}
     tensor_parallel_size: int = 1
     threads: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see checkpoint_budget
 
 
 SMALL_MODEL_PARAMS = 100_000_000
@@ -159,3 +163,17 @@ def pool_blocks(layout: CacheLayout, args: EngineArgs, model_len: int) -> int:
                          "(raise --memory or --num-blocks, or lower --max-num-seqs; in the Python API: "
                          "gpu_memory_bytes, num_blocks, max_num_seqs)")
     return n
+
+
+DEFAULT_CHECKPOINT_CAP_BYTES = 256 << 20
+
+
+def checkpoint_budget(layout: CacheLayout, args: EngineArgs) -> int:
+    """Bytes the prefix cache's boundary checkpoints may hold: ``prefix_checkpoint_bytes``, else four
+    checkpoints per request slot, capped at 256 MiB but never below one checkpoint."""
+    if args.prefix_checkpoint_bytes is not None:
+        if args.prefix_checkpoint_bytes < 0:
+            raise ValueError(f"prefix_checkpoint_bytes must be >= 0, got {args.prefix_checkpoint_bytes}")
+        return args.prefix_checkpoint_bytes
+    one = checkpoint_bytes(layout)
+    return max(one, min(DEFAULT_CHECKPOINT_CAP_BYTES, 4 * max(1, args.max_num_seqs) * one))

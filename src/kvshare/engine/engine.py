@@ -22,11 +22,13 @@ import torch
 from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
-from kvshare.engine.args import EngineArgs, apply_threads, build_layout, pool_blocks, resolve_device, resolve_dtype
+from kvshare.engine.args import (EngineArgs, apply_threads, build_layout, checkpoint_budget, pool_blocks,
+                                 resolve_device, resolve_dtype)
 from kvshare.engine.isolation import run_isolated, sample_isolated
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.model.dtypes import weight_bytes
 from kvshare.engine.outputs import EngineStats, RequestOutput
+from kvshare.engine.prefix_caching import PrefixCaching
 from kvshare.engine.sampling import Sampler, SamplingParams
 from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.sequence import Sequence, SequenceStatus
@@ -71,6 +73,12 @@ class LLMEngine:
         self.blocks.on_open = self._reset_slot
         self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)
         self.runner = ModelRunner(model, self.backend, self.blocks, self.device)
+        self.prefix = None
+        if args.enable_prefix_caching:
+            budget = checkpoint_budget(self.layout, args)
+            self.prefix = PrefixCaching(self.layout, self.pool, self.blocks, self.backend, budget,
+                                        str(getattr(model, "name_or_path", "")), self.dtype)
+            self.scheduler.prefix = self.prefix
         self.sampler = Sampler(self.device, args.seed or 0)
         eos = set(self.cfg.eos_token_ids)
         if tokenizer is not None:
@@ -127,8 +135,11 @@ class LLMEngine:
         return model.eval()
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; RequestError (this request only) on a bad prompt or bad params."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; RequestError (this request only) on a bad prompt or bad params.
+
+        `cache_salt`: requests share cached prefix blocks only when their salts are equal."""
         if request_id in self.requests:
             raise RequestError(f"request {request_id!r}: id already in use")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
@@ -153,7 +164,10 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise RequestError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than max_model_len "
                                f"{self.max_model_len}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"request {request_id!r}: cache_salt must be a string")
         seq = Sequence(request_id, text, ids, params, next(self._order))
+        seq.cache_salt = cache_salt
         if self.tokenizer is not None and hasattr(self.tokenizer, "incremental_decoder"):
             seq.detok = self.tokenizer.incremental_decoder()
         self.requests[request_id] = seq
@@ -178,7 +192,8 @@ class LLMEngine:
             return outputs
         if self.speculator is not None:  # DSpark: draft, verify and commit (engine/speculative.py)
             return outputs + self.speculator.step(sched)
-        run = run_isolated(self.runner.run, sched.chunks, self._suspects)
+        step_run = self.runner.run if self.prefix is None else self.prefix.capturing(self.runner.run)
+        run = run_isolated(step_run, sched.chunks, self._suspects)
         for seq, err in run.failed:
             self._fail(seq, err, outputs)
         for seq in run.requeue:
@@ -189,6 +204,8 @@ class LLMEngine:
             c.seq.num_computed += c.length
             c.seq.new_token_ids = []
             decodes += int(c.length == 1 and c.start >= len(c.seq.prompt_token_ids) and c.samples)
+        if self.prefix is not None:
+            self.prefix.end_step(chunks)
         self._stats.num_steps += 1
         self._stats.prompt_tokens += sum(c.length for c in chunks) - decodes
         if sampling:
@@ -259,4 +276,11 @@ class LLMEngine:
         s.num_waiting = len(self.scheduler.waiting)
         s.num_blocks_used = self.blocks.allocator.num_used
         s.num_preemptions = self.scheduler.num_preemptions
+        if self.prefix is not None:
+            c = self.prefix.cache
+            s.prefix_cache_queried_tokens = c.stats.queried_tokens
+            s.prefix_cache_hit_tokens = c.stats.hit_tokens
+            s.prefix_cache_checkpoint_bytes = c.checkpoint_bytes
+            s.prefix_cache_checkpoints = len(c.checkpoints)
+            s.prefix_cache_evictable_blocks = self.blocks.allocator.num_evictable
         return dataclasses.replace(s)

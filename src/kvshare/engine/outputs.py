@@ -28,6 +28,7 @@ class RequestOutput:
     logprobs: list[float] | None
     metrics: RequestMetrics
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (not computed) at admission
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
@@ -43,6 +44,7 @@ class RequestOutput:
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
             metrics=seq.metrics,
             error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
 
@@ -59,6 +61,11 @@ class EngineStats:
     prompt_tokens: int = 0  # prefill (and recompute) tokens run through the model
     generation_tokens: int = 0  # tokens sampled
     bytes_per_block: int = 0
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hit_tokens: int = 0  # of those, tokens served from the cache
+    prefix_cache_checkpoint_bytes: int = 0
+    prefix_cache_checkpoints: int = 0
+    prefix_cache_evictable_blocks: int = 0  # cached blocks no request holds (reclaimed LRU first)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -12,7 +12,8 @@ Policy (FCFS, oldest first):
    sequence is preempted (blocks and slot freed, requeued to recompute from its prompt plus
    generated tokens) until it does. The oldest sequence therefore always progresses.
 2. Waiting sequences, oldest first, are admitted while the budget, ``max_num_seqs`` (request slots)
-   and free blocks allow. Admission never preempts.
+   and free blocks allow. Admission never preempts. With prefix caching (``prefix``), a sequence is
+   admitted at its hit boundary H (blocks and checkpoint adopted) and computes ``[H, n)``.
 
 Invariants: a scheduled chunk has length >= 1; the blocks for ``num_computed + length`` tokens are
 allocated before the step runs; the total scheduled tokens are <= ``max_num_batched_tokens``.
@@ -76,6 +77,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival_order
         self.running: list[Sequence] = []  # sorted by arrival_order
         self.num_preemptions = 0
+        self.prefix = None  # engine/prefix_caching.PrefixCaching when prefix caching is on
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,6 +103,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            if self.prefix is not None:
+                self.prefix.on_release(seq)  # checkpoint while the blocks are still held
             self.blocks.release(seq.slot)
             seq.slot = None
 
@@ -112,10 +116,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- one step ---------------------------------------------------------------------------
-    def _fit(self, seq: Sequence, want: int) -> int:
-        """Longest chunk <= want whose blocks are allocatable now (0 if none)."""
+    def _fit(self, seq: Sequence, want: int, hit=None) -> int:
+        """Longest chunk <= want whose blocks are allocatable now (0 if none); `hit`: a prefix match
+        the sequence would adopt (its blocks are held, its evictable ones are no longer free)."""
+        free = self.blocks.allocator.num_free
+        if hit is not None and hit.boundary:
+            evictable = sum(self.blocks.allocator.refcount(b) == 0 for b in hit.blocks)
+            return max(0, min(want, (free - evictable) * self.blocks.block_size))
         have = len(self.blocks.block_ids.get(seq.slot, [])) if seq.slot is not None else 0
-        cap = (have + self.blocks.allocator.num_free) * self.blocks.block_size - seq.num_computed
+        cap = (have + free) * self.blocks.block_size - seq.num_computed
         return max(0, min(want, cap))
 
     def schedule(self) -> SchedulerOutput:
@@ -144,15 +153,19 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not readmit a victim in the step that evicted it
-            want = min(seq.num_uncomputed, budget)
-            if not self.chunked_prefill and want < seq.num_uncomputed:
+            hit = self.prefix.lookup(seq) if self.prefix is not None else None
+            todo = seq.num_tokens - (hit.boundary if hit is not None else 0)
+            want = min(todo, budget)
+            if not self.chunked_prefill and want < todo:
                 break
-            n = self._fit(seq, want)
+            n = self._fit(seq, want, hit)
             if n < want and (n == 0 or not self.chunked_prefill):
                 break
             self.waiting.pop(0)
             seq.slot = self.blocks.open_slot()
             seq.status = SequenceStatus.RUNNING
+            if hit is not None:
+                self.prefix.adopt(seq, hit)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
             self.blocks.grow(seq.slot, seq.num_computed + n)

@@ -77,6 +77,15 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     new_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why the request failed (status FINISHED_ERROR)
+    # prefix caching (engine/prefix_caching.py): salt, tokens served from the cache at first admission,
+    # hashes of full blocks, how many of this slot's blocks are registered, a junction to checkpoint,
+    # and the latest ring capture at a block boundary (boundary, capture, target index)
+    cache_salt: str | None = None
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    prefix_junction: int = 0
+    staged_checkpoint: tuple | None = None
 
     @property
     def tokens(self) -> list[int]:
