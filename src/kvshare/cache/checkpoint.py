@@ -35,22 +35,23 @@ def boundary_rows(name: str, depth: int, ratio: int) -> int:
     return max(0, depth - 1)
 
 
-def checkpoint_bytes(layout: CacheLayout) -> int:
-    """Bytes of one boundary checkpoint for this layout (what ``kvshare plan`` shows per boundary)."""
-    total = 0
-    for s in layout.states:
-        k = boundary_rows(s.name, s.rows, layout.topo[s.layer].ratio)
-        total += s.tensors * k * s.row_bytes
-    return total
-
-
-def checkpoint_bytes_by_ring(layout: CacheLayout) -> dict[str, int]:
-    """Checkpoint bytes per ring name ("window", "compressor", ...)."""
+def checkpoint_bytes_by_ring(layout: CacheLayout, draft: bool = False) -> dict[str, int]:
+    """Bytes of one boundary checkpoint per ring name ("window", "compressor", ...); `draft`: also
+    the draft (MTP / DSpark) layers' rings, which a checkpoint holds only when drafts run."""
     out: dict[str, int] = {}
     for s in layout.states:
-        k = boundary_rows(s.name, s.rows, layout.topo[s.layer].ratio)
+        if s.layer >= layout.topo.num_layers and not draft:
+            continue
+        # the depth a read spans: ring rows less the speculative slack rows (a window reads W rows)
+        depth = layout.cfg.sliding_window if s.name == "window" else s.rows - getattr(layout, "state_slack", 0)
+        k = boundary_rows(s.name, depth, layout.topo[s.layer].ratio)
         out[s.name] = out.get(s.name, 0) + s.tensors * k * s.row_bytes
     return out
+
+
+def checkpoint_bytes(layout: CacheLayout, draft: bool = False) -> int:
+    """Bytes of one boundary checkpoint for this layout (what ``kvshare plan`` shows per boundary)."""
+    return sum(checkpoint_bytes_by_ring(layout, draft).values())
 
 
 def _pack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
                         "(the model's mtp.* DSpark stages draft, the model verifies; output unchanged)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="exact prefix caching: reuse the cached blocks and boundary checkpoint of a prompt's "
+                        "longest cached prefix (default on; --no-enable-prefix-caching turns it off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler's random stream (generate and chat also seed their request "
                         "with it, so a run is reproducible); random weights always use the model's fixed seed")
@@ -86,6 +89,7 @@ _ENGINE_KEYS = {
     "speculative_config": "speculative_config",
     "tensor_parallel_size": "tensor_parallel_size",
     "threads": "threads",
+    "enable_prefix_caching": "enable_prefix_caching",
 }
 
 

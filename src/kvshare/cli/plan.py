@@ -71,6 +71,7 @@ def _layer_row(p: LayerPlan, layout: CacheLayout) -> dict[str, Any]:
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The plan as a JSON-able dict; numbers come from the CacheLayout."""
+    from kvshare.cache.checkpoint import checkpoint_bytes, checkpoint_bytes_by_ring
     from kvshare.cache.layout import CacheLayout
     from kvshare.config import load_config
     from kvshare.parallel.plan import rank_plan
@@ -92,6 +93,11 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "layout": layout.to_dict(args.memory, args.max_seqs),
         "weights": weight_bytes(cfg),
         "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2)),
+        "prefix_checkpoint": {
+            "bytes_per_boundary": checkpoint_bytes(layout),
+            "bytes_per_boundary_with_draft": checkpoint_bytes(layout, draft=True),
+            "by_ring": checkpoint_bytes_by_ring(layout),
+        },
     }
     if k:
         plain = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
@@ -171,6 +177,11 @@ def _print_rich(plan: dict[str, Any]) -> None:
         s.add_row(f"speculation ({spec['num_speculative_tokens']} drafts)",
                   f"draft windows {_fmt_bytes(spec['draft_window_bytes_per_seq'])}, ring slack "
                   f"{_fmt_bytes(spec['slack_bytes_per_seq'])} per sequence (included above)")
+    ck = plan["prefix_checkpoint"]
+    parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in ck["by_ring"].items() if v)
+    s.add_row("prefix-cache checkpoint per boundary", f"{_fmt_bytes(ck['bytes_per_boundary'])}: {parts}"
+              + ("" if ck["bytes_per_boundary_with_draft"] == ck["bytes_per_boundary"] else
+                 f" ({_fmt_bytes(ck['bytes_per_boundary_with_draft'])} with draft layers)"))
     mem = lay.get("memory")
     if mem:
         s.add_row("memory budget", _fmt_bytes(mem["memory_bytes"]))

@@ -16,7 +16,8 @@ _RATE_WINDOW_S = 10.0
 
 # cumulative EngineStats fields: exposed as counters named kvshare_engine_<field>_total
 _ENGINE_COUNTERS = ("num_steps", "num_preemptions", "prompt_tokens", "generation_tokens", "spec_num_verifies",
-                    "spec_draft_tokens", "spec_accepted_tokens")
+                    "spec_draft_tokens", "spec_accepted_tokens", "prefix_cache_queried_tokens",
+                    "prefix_cache_hit_tokens")
 
 # metric name -> (EngineStats attribute names to try, help text)
 _ENGINE_GAUGES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -242,18 +242,26 @@ class ChatCompletionRequest(_SamplingRequest):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: prompt tokens served by the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts of one request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
-        """Usage with the total filled in."""
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
+        """Usage with the total and the cached prompt tokens filled in."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class ErrorInfo(BaseModel):

@@ -13,7 +13,7 @@ Kind = Literal["completion", "chat"]
 
 def usage_of(out: Any) -> Usage:
     """Prompt / completion token counts of a (final) `RequestOutput`."""
-    return Usage.of(len(out.prompt_token_ids), len(out.token_ids))
+    return Usage.of(len(out.prompt_token_ids), len(out.token_ids), getattr(out, "num_cached_tokens", 0) or 0)
 
 
 def finish_reason_of(out: Any) -> str | None:
