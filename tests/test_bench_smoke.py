@@ -28,7 +28,7 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     # fp32, the oracle mode: greedy tokens must equal transformers' and rows are 4-byte
     out = _run(tmp_path, "--quick", "--dtype", "float32", *([] if plots else ["--no-plots"]))
     sections = {s["name"]: s for s in out["sections"]}
-    assert set(sections) == {"peer", "prefill", "sharing", "context", "bandwidth", "speculation"}
+    assert set(sections) == {"peer", "prefill", "sharing", "context", "bandwidth", "speculation", "prefix"}
     for name in ("peer", "sharing", "context", "bandwidth"):
         assert not plots or (tmp_path / f"b-{name}.png").stat().st_size > 0
     assert "| target |" in (tmp_path / "b.md").read_text()
@@ -59,6 +59,9 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     assert [r["context"] for r in ctx] == sorted(r["context"] for r in ctx)
     assert all(r["step_s"] > 0 and r["dense_attention_s"] > 0 for r in ctx)
     assert sections["bandwidth"]["data"]["copy"]["read_gbps"] > 0
+    pre = sections["prefix"]["data"]
+    assert pre["tokens_equal"] and pre["computed_on"] < pre["computed_off"]
+    assert pre["cached_reported"] == [pre["prefix_tokens"]] * pre["requests"]
     assert out["header"]["load_before"]["cpu_count"] >= 1
 
     spec = sections["speculation"]

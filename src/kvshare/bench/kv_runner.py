@@ -40,7 +40,8 @@ def blocks_needed(batch: int, max_len: int, block_size: int) -> int:
 
 def make_engine(model: torch.nn.Module, *, batch: int, max_len: int, block_size: int, dtype: str,
                 device: str, share_kv_cache: bool = True, num_blocks: int | None = None,
-                memory_bytes: int | None = None, max_batched_tokens: int | None = None) -> Any:
+                memory_bytes: int | None = None, max_batched_tokens: int | None = None,
+                enable_prefix_caching: bool = True) -> Any:
     """An `LLMEngine` over `model` with quantisation off, sized for `batch` sequences of `max_len`."""
     try:
         from kvshare.llm import LLMEngine
@@ -50,7 +51,7 @@ def make_engine(model: torch.nn.Module, *, batch: int, max_len: int, block_size:
     kw: dict[str, Any] = dict(
         block_size=block_size, max_num_seqs=batch, max_model_len=max_len,
         max_num_batched_tokens=max_batched_tokens or batch * max_len, dtype=dtype, device=device,
-        share_kv_cache=share_kv_cache, quantize=False)
+        share_kv_cache=share_kv_cache, quantize=False, enable_prefix_caching=enable_prefix_caching)
     if memory_bytes is not None:
         kw["gpu_memory_bytes"] = memory_bytes
     else:

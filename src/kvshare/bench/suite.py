@@ -1,9 +1,10 @@
 """Run the selected benchmark sections in one process, then print and save the results.
 
 Order: copy bandwidth (machine), peer comparison (V4), prefill at the released attention sizes,
-sharing on/off and context scaling (V4.1-shaped), DSpark speculation on / off, achieved bandwidth
-(from the decode steps measured above). The header records the date, versions, thread count and the
-machine's load before and after, because the cores may be shared with other processes.
+sharing on/off and context scaling (V4.1-shaped), DSpark speculation on / off, prefix caching on /
+off (V4.1-shaped), achieved bandwidth (from the decode steps measured above). The header records the
+date, versions, thread count and the machine's load before and after, because the cores may be
+shared with other processes.
 """
 
 from __future__ import annotations
@@ -157,6 +158,16 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
         if spsec is not None:
             spsec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
             sections.append(spsec)
+    if w in ("prefix", "all"):
+        from kvshare.bench.prefix import prefix_section
+
+        model41p = build_model(ModelConfig.from_dict(v41_config(s)), s.seed, DTYPES[opts.dtype], opts.device)
+        t0 = time.perf_counter()
+        psec = _guard("prefix", errors, prefix_section, s, model41p, quick=opts.quick, dtype=opts.dtype,
+                      device=opts.device)
+        if psec is not None:
+            psec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            sections.append(psec)
     if copy is not None:
         end = copy_bandwidth(s.copy_mib * 2**20, device=opts.device)
         best = max((copy, end), key=lambda c: c["read_gbps"])

@@ -26,6 +26,7 @@ chain hashes were in the table when it was inserted and it is dropped when any o
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ def block_hash(parent: bytes | None, tokens: list[int], key: bytes, salt: str | 
     h.update(parent or b"\0" * HASH_BYTES)
     h.update(key)
     h.update(b"" if salt is None else b"salt:" + salt.encode())
-    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    h.update(array("q", tokens).tobytes())
     return h.digest()
 
 

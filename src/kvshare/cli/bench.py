@@ -1,4 +1,4 @@
-"""`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|all] [--quick] [size flags]`.
+"""`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|prefix|all] [--quick] [size flags]`.
 
 Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
 transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
@@ -14,13 +14,14 @@ from pathlib import Path
 
 from kvshare.bench.sizes import add_size_flags
 
-SECTIONS = ("peer", "prefill", "sharing", "context", "bandwidth", "spec", "all")
+SECTIONS = ("peer", "prefill", "sharing", "context", "bandwidth", "spec", "prefix", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `bench` subcommand."""
     p = subparsers.add_parser(
-        "bench", help="measure kvshare against transformers, sharing on/off, context scaling, bandwidth",
+        "bench", help="measure kvshare against transformers, sharing on/off, context scaling, bandwidth, "
+                                  "prefix caching on/off",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="all", choices=SECTIONS, help="benchmark to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run of a few seconds)")
