@@ -190,3 +190,14 @@ def test_caching_off_takes_no_checkpoints(model):
     run(eng, p)
     assert eng.prefix is None and eng.backend.capture is None
     assert run(eng, p).num_cached_tokens == 0 and eng.blocks.allocator.num_evictable == 0
+
+
+def test_cli_flag_turns_caching_off():
+    import argparse
+
+    from kvshare.cli.engine_args import add_engine_args, engine_args_from
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in engine_args_from(p.parse_args([]))  # the engine default: on
