@@ -201,3 +201,31 @@ def test_cli_flag_turns_caching_off():
     add_engine_args(p)
     assert engine_args_from(p.parse_args(["--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     assert "enable_prefix_caching" not in engine_args_from(p.parse_args([]))  # the engine default: on
+
+
+def test_abort_and_preemption_leave_a_checkpoint(model):
+    eng = engine(model)
+    p = prompt(1, 2 * B + 3)
+    eng.add_request("a", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(8):  # prefill (19 computed: checkpoint at 16), then 7 decodes: 26 computed
+        eng.step()
+    eng.abort_request("a")
+    eng.step()
+    depths = sorted(ck.boundary for ck in eng.prefix.cache.checkpoints.values())
+    assert depths == [2 * B, 3 * B]  # prompt end, and the abort at 26 computed
+    seq_tokens = p + run(engine(model, enable_prefix_caching=False), p, n=7).token_ids
+    assert run(eng, seq_tokens + [1]).num_cached_tokens == 3 * B
+
+    # a pool too small for two sequences: the newer one is preempted, and its recompute hits
+    small = engine(model, num_blocks=7)  # 6 usable blocks; each request grows to 5
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    small.add_request("x", prompt(2, 3 * B - 2), params)
+    small.add_request("y", prompt(3, 3 * B - 2), params)
+    outs = {}
+    while small.has_unfinished_requests():
+        outs.update({o.request_id: o for o in small.step() if o.finished})
+    st = small.stats()
+    assert st.num_preemptions > 0 and st.prefix_cache_hit_tokens > 0
+    ref = engine(model, enable_prefix_caching=False, num_blocks=40)
+    for rid, seed in (("x", 2), ("y", 3)):
+        assert outs[rid].token_ids == run(ref, prompt(seed, 3 * B - 2), n=14, rid=rid).token_ids

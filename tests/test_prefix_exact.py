@@ -77,6 +77,19 @@ def warm(model, quant: bool, share: bool, prompt: list[int], h: int) -> LLMEngin
     return eng
 
 
+def boundary(model) -> int:
+    """The hit boundary of the tests: two blocks for V4.1 (B = 8), one for V4 (B = 128)."""
+    return 2 * BLOCK["v41"] if model.cfg.arch == "v41" else BLOCK["v4"]
+
+
+def warmed(name: str, quant: bool, share: bool = True):
+    """(model, H, prompt, engine whose cache holds the prompt's first H tokens)."""
+    model = model_for(name, quant)
+    h = boundary(model)
+    prompt = prompt_for(model.cfg, h)
+    return model, h, prompt, warm(model, quant, share, prompt, h)
+
+
 def cold_chunked(model, quant, share, prompt, h):
     return generate(engine(model, quant, False, h, share), prompt)
 
@@ -86,10 +99,7 @@ CASES = [(n, q, s) for n in ("tiny-v41", "tiny-v4") for q in (False, True) for s
 
 @pytest.mark.parametrize("name,quant,share", CASES)
 def test_hit_equals_cold_run_chunked_at_the_boundary(name, quant, share):
-    model = model_for(name, quant)
-    h = 2 * BLOCK[model.cfg.arch] if model.cfg.arch == "v41" else BLOCK["v4"]
-    prompt = prompt_for(model.cfg, h)
-    eng = warm(model, quant, share, prompt, h)
+    model, h, prompt, eng = warmed(name, quant, share)
     toks, rows, cached = generate(eng, prompt)
     assert cached == h
     assert eng.stats().prompt_tokens == h + SUFFIX  # the warm-up's H, then only the suffix
@@ -109,10 +119,7 @@ def _differs(rows, cold_rows) -> float:
 @pytest.mark.parametrize("name,quant", [("tiny-v41", False), ("tiny-v4", True)])
 def test_zeroed_checkpoint_differs(name, quant):
     """The stale / empty ring a hit without restored state would read."""
-    model = model_for(name, quant)
-    h = 2 * BLOCK[model.cfg.arch] if model.cfg.arch == "v41" else BLOCK["v4"]
-    prompt = prompt_for(model.cfg, h)
-    eng = warm(model, quant, True, prompt, h)
+    model, h, prompt, eng = warmed(name, quant)
     for ck in eng.prefix.cache.checkpoints.values():
         for _, _, r in ck.rings.values():
             r.zero_()
@@ -123,10 +130,7 @@ def test_zeroed_checkpoint_differs(name, quant):
 
 
 def test_v4_checkpoint_without_compressor_carry_differs():
-    model = model_for("tiny-v4", True)
-    h = BLOCK["v4"]
-    prompt = prompt_for(model.cfg, h)
-    eng = warm(model, True, True, prompt, h)
+    model, h, prompt, eng = warmed("tiny-v4", True)
     (ck,) = eng.prefix.cache.checkpoints.values()
     carry = [key for key, (_, _, r) in ck.rings.items() if key[0] != "window" and r.shape[0]]
     assert carry and all(ck.rings[k][2].shape[0] == 4 for k in carry)  # ratio-4 overlap: 4 rows each
@@ -167,10 +171,7 @@ def _window_replay(eng: LLMEngine, h: int) -> None:
 
 @pytest.mark.parametrize("name,quant", [("tiny-v41", False), ("tiny-v4", True)])
 def test_window_length_replay_differs(name, quant):
-    model = model_for(name, quant)
-    h = 2 * BLOCK[model.cfg.arch] if model.cfg.arch == "v41" else BLOCK["v4"]
-    prompt = prompt_for(model.cfg, h)
-    eng = warm(model, quant, True, prompt, h)
+    model, h, prompt, eng = warmed(name, quant)
     _window_replay(eng, h)
     _, rows, _ = generate(eng, prompt)
     _, cold_rows, _ = cold_chunked(model, quant, True, prompt, h)
