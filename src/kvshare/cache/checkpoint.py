@@ -15,7 +15,8 @@ ring it takes, for every target (sequence i of the batch, boundary H inside this
 rows positions ``[H - k, H)`` will hold once the step's ring update is applied: earlier positions
 from the pre-step ring, this step's from its values, packed exactly as the ring update packs them.
 ``restore`` writes a checkpoint's rows into a fresh slot's rings, so the slot holds bitwise what a
-cold run holds after H tokens (rows no later read touches stay zero).
+cold run holds after H tokens (rows no later read touches stay zero). Position q lives in ring row
+``q mod rows``, rows being the ring tensor's (at least the depth the model reads).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from kvshare.cache.formats import RowFormat
 from kvshare.cache.layout import CacheLayout
+from kvshare.cache.paged_backend import _pack  # the ring update's own packing, so captured rows match it
 
 COMPRESSOR_RINGS = ("compressor", "indexer_compressor")
 
@@ -54,10 +56,6 @@ def checkpoint_bytes(layout: CacheLayout, draft: bool = False) -> int:
     return sum(checkpoint_bytes_by_ring(layout, draft).values())
 
 
-def _pack(fmt: RowFormat | None, x: torch.Tensor) -> torch.Tensor:
-    return x.float() if fmt is None else fmt.pack(x)
-
-
 class BoundaryCapture:
     """Targets of one step: ``seqs[c]`` (index in the batch) is captured at boundary ``bounds[c]``.
 
@@ -81,7 +79,7 @@ class BoundaryCapture:
         q = self.bounds[:, None] - k + torch.arange(k, device=ring.device)[None, :]  # [C, k]
         start = batch.starts[self.seqs][:, None]
         slot = batch.slots[self.seqs][:, None].expand_as(q)
-        old = ring[slot, q.remainder(depth)]
+        old = ring[slot, q.remainder(ring.shape[1])]  # position q lives in row q mod the ring's rows
         t_all = values.shape[0]
         step_row = (batch.cu_seqlens[self.seqs][:, None] + q - start).clamp(0, max(t_all - 1, 0))
         new = _pack(fmt, values[step_row.reshape(-1)]).to(ring.dtype).reshape(c, k, ring.shape[-1])
@@ -101,4 +99,4 @@ def restore(pool, slot: int, boundary: int, rings: dict[tuple[str, int], tuple[i
         if k == 0:
             continue
         q = torch.arange(boundary - k, boundary, device=ring.device)
-        ring[slot, q.remainder(depth)] = rows.to(ring.device)
+        ring[slot, q.remainder(ring.shape[1])] = rows.to(ring.device)
