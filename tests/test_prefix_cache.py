@@ -229,3 +229,17 @@ def test_abort_and_preemption_leave_a_checkpoint(model):
     ref = engine(model, enable_prefix_caching=False, num_blocks=40)
     for rid, seed in (("x", 2), ("y", 3)):
         assert outs[rid].token_ids == run(ref, prompt(seed, 3 * B - 2), n=14, rid=rid).token_ids
+
+
+def test_a_shared_prefix_junction_gets_its_own_checkpoint(model):
+    """A's checkpoints sit at its prompt end (5 B) and finish; B shares only 3 B with A, so it finds
+    blocks but no checkpoint there: it computes everything and checkpoints the junction at 3 B,
+    where C then hits."""
+    eng = engine(model)
+    shared = prompt(1, 3 * B)
+    a, b, c = (shared + prompt(s, 2 * B + 3) for s in (2, 3, 4))
+    assert run(eng, a, rid="a").num_cached_tokens == 0
+    assert run(eng, b, rid="b").num_cached_tokens == 0
+    out = run(eng, c, rid="c")
+    assert out.num_cached_tokens == 3 * B
+    assert out.token_ids == run(engine(model, enable_prefix_caching=False), c).token_ids
