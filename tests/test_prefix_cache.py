@@ -243,3 +243,30 @@ def test_a_shared_prefix_junction_gets_its_own_checkpoint(model):
     out = run(eng, c, rid="c")
     assert out.num_cached_tokens == 3 * B
     assert out.token_ids == run(engine(model, enable_prefix_caching=False), c).token_ids
+
+
+def test_a_failed_batched_forward_leaves_no_capture_and_outputs_stay_exact(model):
+    """engine/isolation.py reruns a failed batch one request at a time: the failed forward's capture is
+    dropped, the requeued requests recompute (hitting their own checkpoints) and match a clean run."""
+    eng = engine(model)
+    prompts = [prompt(s, 3 * B + 1) for s in (1, 2)]
+    run_real, calls = eng.runner.run, []
+
+    def flaky(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 3:  # the third forward (both requests decoding, batched) fails half-way
+            raise RuntimeError("injected")
+        return run_real(chunks)
+
+    eng.runner.run = flaky
+    params = SamplingParams(temperature=0, max_tokens=B + 2, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert calls[2] == 2 and eng.prefix.cache.stats.hit_tokens == 2 * 3 * B  # both recomputes hit at 3 B
+    assert eng.blocks.allocator.num_used == 0
+    ref = engine(model, enable_prefix_caching=False)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].token_ids == run(ref, p, n=B + 2, rid=str(i)).token_ids
