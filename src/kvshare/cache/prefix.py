@@ -108,10 +108,12 @@ class PrefixCache:
 
     # ---- hashing ---------------------------------------------------------------------------------
     def hashes(self, tokens: list[int], known: list[bytes], n_blocks: int, salt: str | None) -> list[bytes]:
-        """Extend `known` (hashes of the first blocks of `tokens`) to `n_blocks` full blocks, in place."""
-        b = self.block_size
-        for k in range(len(known), n_blocks):
-            known.append(block_hash(known[-1] if known else None, tokens[k * b:(k + 1) * b], self.key, salt))
+        """Extend `known` (the hashes of a sequence's first blocks) to `n_blocks` blocks, in place;
+        `tokens` are the sequence's tokens from block ``len(known)`` on."""
+        b, first = self.block_size, len(known)
+        for k in range(first, n_blocks):
+            off = (k - first) * b
+            known.append(block_hash(known[-1] if known else None, tokens[off:off + b], self.key, salt))
         return known
 
     # ---- blocks ------------------------------------------------------------------------------------

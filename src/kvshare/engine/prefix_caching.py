@@ -55,7 +55,7 @@ class PrefixCaching:
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
         known = seq.block_hashes
         if len(known) < n_blocks:
-            tokens = seq.token_slice(0, n_blocks * self.block_size)
+            tokens = seq.token_slice(len(known) * self.block_size, n_blocks * self.block_size)
             self.cache.hashes(tokens, known, n_blocks, seq.cache_salt)
         return known
 
