@@ -128,6 +128,16 @@ def test_injected_hash_collision_is_rejected_by_the_token_check(model, monkeypat
     assert run(eng, p).num_cached_tokens == 4 * B  # the true owner of the hash still hits
 
 
+def test_salts_never_share_even_when_hashes_collide(model, monkeypatch):
+    real = prefix_mod.block_hash
+    monkeypatch.setattr(prefix_mod, "block_hash", lambda parent, tokens, key, salt: real(parent, tokens, key, None))
+    eng = engine(model)
+    p = prompt(1)
+    run(eng, p, salt="a")
+    assert run(eng, p, salt="b").num_cached_tokens == 0
+    assert run(eng, p, salt="a").num_cached_tokens == 4 * B
+
+
 def test_lru_reclaims_the_oldest_prefix_and_keeps_the_recent_one(model):
     eng = engine(model, num_blocks=12)  # 11 usable blocks; a request needs 5 (35 prompt + 3 tokens), 4 full
     p1, p2, p3 = prompt(1), prompt(2), prompt(3)

@@ -54,6 +54,7 @@ def block_hash(parent: bytes | None, tokens: list[int], key: bytes, salt: str | 
 class CachedBlock:
     block: int
     tokens: tuple[int, ...]
+    salt: str | None = None
 
 
 @dataclass
@@ -117,11 +118,11 @@ class PrefixCache:
         return known
 
     # ---- blocks ------------------------------------------------------------------------------------
-    def register(self, h: bytes, block: int, tokens: list[int]) -> bool:
+    def register(self, h: bytes, block: int, tokens: list[int], salt: str | None = None) -> bool:
         """Make `block` the cached copy of hash `h` unless one already is; True if registered."""
         if h in self.table or block in self.hash_of_block:
             return False
-        self.table[h] = CachedBlock(block, tuple(tokens))
+        self.table[h] = CachedBlock(block, tuple(tokens), salt)
         self.hash_of_block[block] = h
         return True
 
@@ -138,15 +139,15 @@ class PrefixCache:
         for ck in list(self._dependents.pop(h, ())):
             self._drop_checkpoint(ck)
 
-    def lookup(self, tokens: list[int], hashes: list[bytes], max_tokens: int) -> Match:
-        """Longest chain of cached blocks over `tokens[:max_tokens]` (token ids checked), and the
-        deepest checkpoint on it. `hashes` must cover ``max_tokens // B`` blocks."""
+    def lookup(self, tokens: list[int], hashes: list[bytes], max_tokens: int, salt: str | None = None) -> Match:
+        """Longest chain of cached blocks over `tokens[:max_tokens]` (token ids and salt checked from
+        block 0 on), and the deepest checkpoint on it. `hashes` must cover ``max_tokens // B`` blocks."""
         b = self.block_size
         blocks: list[int] = []
         for k in range(max_tokens // b):
             e = self.table.get(hashes[k])
-            if e is None or e.tokens != tuple(tokens[k * b:(k + 1) * b]):
-                break  # a miss, or a hash collision the token check rejects
+            if e is None or e.salt != salt or e.tokens != tuple(tokens[k * b:(k + 1) * b]):
+                break  # a miss, or a hash collision the token / salt check rejects
             blocks.append(e.block)
         for k in range(len(blocks), 0, -1):
             ck = self.checkpoints.get(hashes[k - 1])

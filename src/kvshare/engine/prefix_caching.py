@@ -65,7 +65,7 @@ class PrefixCaching:
         b = self.block_size
         cap = (seq.num_tokens - 1) // b * b
         hashes = self._hashes(seq, cap // b)
-        return self.cache.lookup(seq.token_slice(0, cap), hashes, cap)
+        return self.cache.lookup(seq.token_slice(0, cap), hashes, cap, seq.cache_salt)
 
     def adopt(self, seq: Sequence, m: Match) -> None:
         """Admit with hit `m`: the slot (just opened, rings zeroed) takes its blocks and checkpoint."""
@@ -139,7 +139,7 @@ class PrefixCaching:
         tokens = seq.token_slice(seq.num_registered * b, full * b)
         for k in range(seq.num_registered, full):
             off = (k - seq.num_registered) * b
-            self.cache.register(hashes[k], ids[k], tokens[off:off + b])
+            self.cache.register(hashes[k], ids[k], tokens[off:off + b], seq.cache_salt)
         seq.num_registered = full
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -159,7 +159,8 @@ class PrefixCaching:
         ids = self.blocks.block_ids[seq.slot]
         for k in range(n):  # a chain block whose cached twin was evicted: register our own copy
             if hashes[k] not in self.cache.table:
-                self.cache.register(hashes[k], ids[k], seq.token_slice(k * self.block_size, (k + 1) * self.block_size))
+                b = self.block_size
+                self.cache.register(hashes[k], ids[k], seq.token_slice(k * b, (k + 1) * b), seq.cache_salt)
         self.cache.insert_checkpoint(Checkpoint(h, tuple(hashes[:n]), cap.rows_of(t)))
 
     def on_release(self, seq: Sequence) -> None:
