@@ -280,3 +280,24 @@ def test_a_failed_batched_forward_leaves_no_capture_and_outputs_stay_exact(model
     ref = engine(model, enable_prefix_caching=False)
     for i, p in enumerate(prompts):
         assert outs[str(i)].token_ids == run(ref, p, n=B + 2, rid=str(i)).token_ids
+
+
+def test_plan_checkpoint_bytes_for_the_released_configs():
+    """By hand (spec/cache.md row sizes): V4.1-Flash keeps W - 1 = 127 window rows of 528 B in each of
+    its 40 layers and nothing of its ratio-1/2 compressors; V4-Flash keeps 127 window rows of 584 B in
+    43 layers plus, in each of its 21 ratio-4 layers, 4 carry rows of (kv, score) x 2 x 512 fp32 for
+    the compressor and of (kv, score) x 2 x 128 fp32 for the indexer's compressor."""
+    from argparse import Namespace
+
+    from kvshare.cli.plan import build_plan
+
+    def plan(name: str, bs: int) -> dict:
+        return build_plan(Namespace(config=name, block_size=bs, kv_format=None, index_format=None,
+                                    window_format=None, memory=None, max_seqs=1, no_share=False, json=True))
+
+    v41 = plan("deepseek-v4.1-flash", 64)["prefix_checkpoint"]
+    assert v41["bytes_per_boundary"] == 40 * 127 * 528 == 2_682_240
+    v4 = plan("deepseek-v4-flash", 128)["prefix_checkpoint"]
+    assert v4["by_ring"] == {"window": 43 * 127 * 584, "compressor": 21 * 4 * 2 * 2 * 512 * 4,
+                             "indexer_compressor": 21 * 4 * 2 * 2 * 128 * 4}
+    assert v4["bytes_per_boundary_with_draft"] == v4["bytes_per_boundary"] + 127 * 584  # one MTP layer
