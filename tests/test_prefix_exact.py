@@ -1,7 +1,7 @@
 """Prefix-cache exactness: a hit at boundary H is bitwise a cold run chunked at H.
 
 For tiny-v41 and tiny-v4 (random weights), quantisation off (fp32) and on (float64, packed rows),
-shared and unshared cache: request A (the first H tokens) warms the cache, then request B (the
+shared and unshared cache, and tiny-v41-engram: request A (the first H tokens) warms the cache, then request B (the
 whole prompt) hits at H. Every sampled logits row of B must equal, bitwise, the cold run of the same
 prompt with caching off whose prefill is chunked ``[0, H) + [H, n)``; B's greedy tokens must equal a
 one-shot cold run. Negative controls must differ: a zeroed checkpoint (the stale-ring bug), a
@@ -95,6 +95,7 @@ def cold_chunked(model, quant, share, prompt, h):
 
 
 CASES = [(n, q, s) for n in ("tiny-v41", "tiny-v4") for q in (False, True) for s in (True, False)]
+CASES += [("tiny-v41-engram", q, True) for q in (False, True)]  # Engram hashes the ids before H after a hit
 
 
 @pytest.mark.parametrize("name,quant,share", CASES)
