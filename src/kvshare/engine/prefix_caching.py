@@ -8,12 +8,14 @@ Per request:
   takes the blocks of ``[0, H)`` (one reference each), its rings get the checkpoint's rows, and the
   scheduler computes ``[H, n)``. When blocks match deeper than any checkpoint, that depth is a
   *junction* (a prefix other requests share): this request captures a checkpoint there.
-* Each step (``capturing`` around each forward, then ``end_step``): a sequence whose chunk crosses a
+* Each step (``capturing`` around each forward, or ``start_capture`` / ``finish_capture`` around
+  the speculative verify forward, then ``end_step``): a sequence whose chunk crosses a
   block boundary captures
   the ring rows at its deepest boundary in the chunk (and at its junction); afterwards the newly
   full blocks are registered and the capture is staged. Only committed, computed tokens count:
-  a capture at H is kept only if ``H <= num_computed`` after the step, and blocks are hashed from
-  the sequence's token ids (so speculative drafts never enter the cache).
+  a capture at H is kept only if H is at most ``num_computed`` after the step and at most the
+  sequence's token count (an accepted draft joins the ids only when appended), and blocks are
+  hashed from the sequence's token ids, so speculative drafts never enter the cache.
 * Commit: the staged capture becomes a checkpoint at the prompt's end and when the sequence leaves
   the running set (finish, abort, preemption), before its blocks are released.
 
@@ -50,6 +52,7 @@ class PrefixCaching:
         blocks.allocator.on_evict = self.cache.drop_block
         self.restore_hooks: list[Callable[[Sequence, int], None]] = []
         self._captured: list[tuple[Sequence, int, BoundaryCapture | None, int]] = []
+        self._pending: list[tuple[int, int]] = []
 
     # ---- hashing --------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence, n_blocks: int) -> list[bytes]:
@@ -91,35 +94,55 @@ class PrefixCaching:
         """Wrap ``ModelRunner.run`` so that each forward (a step may run its chunks in several groups,
         engine/isolation.py) captures its own targets; a forward that raises leaves no capture."""
         def run_capturing(group: list[ScheduledChunk]) -> Any:
-            targets = self._targets(group)
-            self.backend.capture = None if not targets else BoundaryCapture(
-                [i for i, _ in targets], [h for _, h in targets], self.ratio_of, self.pool.device)
+            self.start_capture(group)
+            ok = False
             try:
                 out = run(group)
+                ok = True
             finally:
-                cap, self.backend.capture = self.backend.capture, None
-            self._captured.extend((group[i].seq, h, cap, t) for t, (i, h) in enumerate(targets))
+                self.finish_capture(group, ok)
             return out
         return run_capturing
 
+    def start_capture(self, group: list[ScheduledChunk]) -> None:
+        """Arm the backend for one forward over `group` (drafted tokens included)."""
+        targets = self._targets(group)
+        self._pending = targets
+        self.backend.capture = None if not targets else BoundaryCapture(
+            [i for i, _ in targets], [h for _, h in targets], self.ratio_of, self.pool.device)
+
+    def finish_capture(self, group: list[ScheduledChunk], ok: bool) -> None:
+        """Disarm; keep the forward's captures only if it completed."""
+        cap, self.backend.capture = self.backend.capture, None
+        if ok:
+            self._captured.extend((group[i].seq, h, cap, t) for t, (i, h) in enumerate(self._pending))
+        self._pending = []
+
     def _targets(self, chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
-        """(chunk index, boundary): each chunk's deepest block boundary inside it, and its junction."""
+        """(chunk index, boundary): each chunk's deepest block boundary inside it (its drafted tokens
+        included: they are kept if accepted), and its junction."""
         b = self.block_size
         out = []
         for i, c in enumerate(chunks):
-            s, e = c.start, c.start + c.length
+            s, e = c.start, c.start + c.length + len(getattr(c, "draft", None) or ())
             out.extend((i, h) for h in sorted({e // b * b, c.seq.prefix_junction}) if s < h <= e)
         return out
 
-    def end_step(self, chunks: list[ScheduledChunk]) -> None:
+    def end_step(self, chunks: list[ScheduledChunk], final: bool = True) -> None:
         """After the step's forwards (``num_computed`` updated for the chunks that ran): register
-        full blocks, stage captures, commit junctions and prompt ends."""
+        full blocks, stage captures, commit junctions and prompt ends. With ``final=False`` a capture
+        whose boundary lies in accepted drafts not yet appended to the token ids waits for the next
+        (final) call, made once they are."""
         captured, self._captured = self._captured, []
         for c in chunks:
             self._register(c.seq)
         for seq, h, cap, t in captured:
             if seq.slot is None or h > seq.num_computed:
                 continue  # released since (failed, requeued), or not committed (a rejected draft)
+            if h > seq.num_tokens:
+                if not final:
+                    self._captured.append((seq, h, cap, t))
+                continue
             if h == seq.prefix_junction:
                 self._commit(seq, h, cap, t)
                 seq.prefix_junction = 0
@@ -131,7 +154,7 @@ class PrefixCaching:
 
     def _register(self, seq: Sequence) -> None:
         b = self.block_size
-        full = seq.num_computed // b
+        full = min(seq.num_computed, seq.num_tokens) // b  # computed blocks of known, committed ids
         if full <= seq.num_registered or seq.slot is None:
             return
         hashes = self._hashes(seq, full)

@@ -160,10 +160,16 @@ class Speculator:
                 chunks[i].draft = d
         input_ids, batch, _ = eng.runner.build_batch(chunks)
         state = StepState(taps={t: None for t in self.draft.targets})
+        if eng.prefix is not None:  # prefix caching: ring rows at block boundaries (engine/prefix_caching.py)
+            eng.prefix.start_capture(chunks)
+        ok = False
         try:
             logits = eng.model(input_ids, batch, eng.backend, state)
+            ok = True
         finally:
             eng.backend.end_step()
+            if eng.prefix is not None:
+                eng.prefix.finish_capture(chunks, ok)
         ends = torch.cumsum(torch.tensor([1 + len(c.draft) for c in chunks]), 0).tolist()  # logit rows
         committed = [c.length for c in chunks]
         new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]] = {}
@@ -228,6 +234,8 @@ class Speculator:
             c.seq.num_computed += n
             c.seq.new_token_ids = []
             eng.blocks.shrink(c.seq.slot, c.seq.num_computed)
+        if eng.prefix is not None:  # before the appends: a request finishing below checkpoints at release
+            eng.prefix.end_step(chunks, final=False)
         for hook in self.on_commit:
             hook([c.seq for c in chunks], committed)
         eng._stats.num_steps += 1
@@ -247,4 +255,6 @@ class Speculator:
                 if seq.is_finished:
                     break
             outputs.append(RequestOutput.of(seq))
+        if eng.prefix is not None:  # accepted drafts are token ids now: their blocks and boundaries
+            eng.prefix.end_step(chunks)
         return outputs
