@@ -75,3 +75,20 @@ def test_multi_turn_chat_hits_and_matches_caching_off(servers) -> None:
     assert m["kvshare_engine_prefix_cache_queried_tokens_total"] == sum(p for _, p, _ in on)
     assert m["kvshare_engine_prefix_cache_hit_tokens_total"] == sum(c for _, _, c in on)
     assert servers[True][1].stats().num_blocks_used == 0  # every reference returned
+
+
+def test_cache_salt_over_http_isolates_prefixes(servers) -> None:
+    """vLLM's `cache_salt` request field: the same prompt hits only under the same salt."""
+    srv = servers[True][0]
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    prompt = "salted prompt that is long enough to fill several blocks of eight tokens each"
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("bob") == 0  # another tenant never reuses alice's blocks
+    assert cached("alice") > 0 and cached("bob") > 0
+    assert cached(None) == 0  # unsalted requests share only with unsalted ones

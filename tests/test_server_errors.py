@@ -155,10 +155,10 @@ def test_internal_error_in_add_is_500_for_that_request(server: BackgroundServer,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     real_add = engine.add_request
 
-    def add(request_id: str, prompt: Any, params: Any) -> None:
+    def add(request_id: str, prompt: Any, params: Any, cache_salt: str | None = None) -> None:
         if prompt == "boom":
             raise RuntimeError("injected failure")
-        real_add(request_id, prompt, params)
+        real_add(request_id, prompt, params, cache_salt=cache_salt)
 
     monkeypatch.setattr(engine, "add_request", add)
     assert_error(post(server, "/v1/completions", {**OK, "prompt": "boom"}), 500, None, "internal_error")
@@ -195,7 +195,7 @@ class _NeverEndingEngine:
     def __init__(self) -> None:
         self.live: set[str] = set()
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: str | None = None) -> None:
         self.live.add(request_id)
 
     def abort_request(self, request_id: str) -> None:

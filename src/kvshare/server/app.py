@@ -102,7 +102,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             _check_ids(state, prompt)
         params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
         return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage,
-                              req.wants_logprobs)
+                              req.wants_logprobs, req.cache_salt)
 
     @app.post("/v1/chat/completions")
     @_guarded(state)
@@ -119,7 +119,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
         return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
-                              req.wants_logprobs)
+                              req.wants_logprobs, req.cache_salt)
 
     return app
 

@@ -96,7 +96,8 @@ class EngineLoop:
 
     # ---- called from the event loop ----------------------------------------------------------
 
-    async def add(self, request_id: str, prompt: str | list[int], params: Any) -> asyncio.Queue:
+    async def add(self, request_id: str, prompt: str | list[int], params: Any,
+                  cache_salt: str | None = None) -> asyncio.Queue:
         """Add a request; return the queue its outputs arrive on.
 
         Raises whatever `engine.add_request` raised (`RequestError` for bad input).
@@ -106,7 +107,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done: asyncio.Future = loop.create_future()
-        self._cmds.put(("add", request_id, prompt, params, _Stream(loop, q), done))
+        self._cmds.put(("add", request_id, prompt, params, cache_salt, _Stream(loop, q), done))
         self._wake.set()
         await done
         return q
@@ -163,10 +164,10 @@ class EngineLoop:
         if changed:
             self._refresh_stats()
 
-    def _add(self, rid: str, prompt: str | list[int], params: Any, stream: _Stream,
+    def _add(self, rid: str, prompt: str | list[int], params: Any, cache_salt: str | None, stream: _Stream,
              done: asyncio.Future) -> None:
         try:
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
         except Exception as e:
             _call(stream.loop, _resolve, done, e)
             return

@@ -120,14 +120,15 @@ class ClientGone(Exception):
 
 
 async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
-                   stream: bool, include_usage: bool, logprobs: bool = False) -> Response:
+                   stream: bool, include_usage: bool, logprobs: bool = False,
+                   cache_salt: str | None = None) -> Response:
     """Run one request through the engine; reply with an SSE stream or one JSON body."""
     slot = _Slot(state)
     try:
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
         slot.request_id = rid  # from here on, leaving early aborts it (a no-op if it never got in)
         try:
-            queue = await state.loop.add(rid, prompt, params)
+            queue = await state.loop.add(rid, prompt, params, cache_salt)
         except RequestError as e:
             named = re.search(r"invalid sampling params: (\w+)", str(e))
             param = named.group(1) if named else "prompt" if kind == "completion" else "messages"

@@ -59,6 +59,8 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's field: requests share cached prefix blocks only when their salts are equal.
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("temperature")
     @classmethod
