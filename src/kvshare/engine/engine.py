@@ -218,17 +218,27 @@ class LLMEngine:
             for seq, got in zip(seqs, picked):
                 if isinstance(got, BaseException):
                     self._fail(seq, got, outputs)
-                    continue
-                if seq.metrics.first_token_time is None:
-                    seq.metrics.first_token_time = now
-                try:
-                    self._append(seq, *got)
-                except Exception as e:  # noqa: BLE001 - e.g. a detokeniser failure: this request only
-                    self._fail(seq, e, outputs)
-                    continue
-                outputs.append(RequestOutput.of(seq))
-                self._stats.generation_tokens += 1
+                else:
+                    self._emit(seq, [got[0]], [got[1]], now, outputs)
         return outputs
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float,
+              outputs: list[RequestOutput]) -> None:
+        """Append a request's new tokens in order (stopping at the first that finishes it), record
+        its first-token time and report it. Shared by plain and speculative steps; a failure here
+        (say a detokeniser error) fails this request only."""
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        try:
+            for tok, lp in zip(tokens, logprobs):
+                self._append(seq, tok, lp)
+                self._stats.generation_tokens += 1
+                if seq.is_finished:
+                    break
+        except Exception as e:  # noqa: BLE001 - this request only
+            self._fail(seq, e, outputs)
+            return
+        outputs.append(RequestOutput.of(seq))
 
     def _fail(self, seq: Sequence, err: BaseException, outputs: list[RequestOutput]) -> None:
         """Finish `seq` alone with finish_reason "error" (blocks and slot freed) and report it."""

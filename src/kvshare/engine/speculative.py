@@ -245,16 +245,9 @@ class Speculator:
         for i in sorted(new_tokens):
             toks, lps, row = new_tokens[i]
             seq = chunks[i].seq
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
             if self.record_logits is not None:
                 self.record_logits[seq.request_id] = row
-            for t, lp in zip(toks, lps):
-                eng._append(seq, t, lp)
-                eng._stats.generation_tokens += 1
-                if seq.is_finished:
-                    break
-            outputs.append(RequestOutput.of(seq))
+            eng._emit(seq, toks, lps, now, outputs)
         if eng.prefix is not None:  # accepted drafts are token ids now: their blocks and boundaries
             eng.prefix.end_step(chunks)
         return outputs
