@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.config import ModelConfig
-from kvshare.model.linear import QLinear
-from kvshare.model.quantize import QuantMode
+from kvshare.model.linear import Linear, QLinear
+from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.ops import stable_topk
 from kvshare.precision import wide
 
@@ -105,20 +105,51 @@ class MoE(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Routed + shared expert outputs for tokens x [T, D] (see the class doc for the layout)."""
         t, k = x.shape[0], self.gate.cfg.num_experts_per_tok
         weights, ids = self.gate(x, input_ids)
         flat, flat_w = ids.flatten(), weights.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate.cfg.n_routed_experts).tolist()
+        lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
+        first = sum(counts[:lo])
+        sel = order[first:first + sum(counts[lo:hi])]  # local slots, grouped by expert, stable
+        groups = [(self.experts[e - lo], n) for e, n in enumerate(counts) if n and lo <= e < hi]
+        groups.append((self.shared_experts, t))
+        rows = torch.cat([torch.div(sel, k, rounding_mode="floor"), torch.arange(t, device=x.device)])
+        row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
+        out = _run_experts(groups, x[rows], row_w)
         slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        start, lo, hi = 0, self.expert_offset, self.expert_offset + len(self.experts)
-        for e, n in enumerate(counts):
-            if n and lo <= e < hi:
-                sel = order[start:start + n]
-                rows = torch.div(sel, k, rounding_mode="floor")
-                slots[sel] = self.experts[e - lo](x[rows], flat_w[sel]).to(x.dtype)
-            start += n
+        slots[sel] = out[:sel.numel()]
         routed = wide(slots.view(t, k, -1)).sum(dim=1)
         if self.reduce is not None:
             routed = self.reduce(routed)
-        return (routed + wide(self.shared_experts(x))).to(x.dtype)
+        return (routed + wide(out[sel.numel():])).to(x.dtype)
+
+
+def _run_experts(groups: list[tuple[Expert, int]], xs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`Expert.forward` for consecutive row groups of xs [N, D] with routing weights [N], batched.
+
+    Group i is the next ``n_i`` rows for expert i. Only the GEMMs run per group; the FP8 input
+    rounding, clamps, SwiGLU, weighting and casts run once over all rows. Every step is row-wise
+    and each GEMM sees the same rows in the same order as a per-expert call, so the result is
+    bitwise `Expert.forward(rows, weight)` per group (the shared expert's weight 1 is exact:
+    ``wide(h) * 1`` rounds back to h).
+    """
+    e0 = groups[0][0]
+    limit, act, block = e0.limit, e0.w1.mode.act, e0.w1.block
+    if act:
+        xs = act_quant(xs, block)
+    bounds, start = [], 0
+    for _, n in groups:
+        bounds.append((start, start + n))
+        start += n
+    gate = torch.cat([Linear.forward(e.w1, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
+    up = torch.cat([Linear.forward(e.w3, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    hidden = (wide(F.silu(gate) * up) * weight.unsqueeze(-1)).to(xs.dtype)
+    if act:
+        hidden = act_quant(hidden, block)
+    return torch.cat([Linear.forward(e.w2, hidden[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
