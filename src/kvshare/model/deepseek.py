@@ -60,11 +60,11 @@ class Block(nn.Module):
             setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
         self.engram = Engram(cfg, layer, mode) if layer in cfg.engram_layer_ids else None
 
-    def _mix(self, sub: str, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         return hc_mix(h, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                       getattr(self, f"hc_{sub}_scale"), rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                      iters=cfg.hc_sinkhorn_iters)
+                      iters=cfg.hc_sinkhorn_iters, hw=hw)
 
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,13 +76,14 @@ class Block(nn.Module):
         taps = ctx.state.taps if ctx.state is not None else None
         if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
             taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
-        pre, post, comb = self._mix("attn", h)
-        x = hc_collapse(h, pre_prev if lagged else pre)
-        h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb)
-        pre_attn = pre
-        pre, post, comb = self._mix("ffn", h)
-        x = hc_collapse(h, pre_attn if lagged else pre)
-        h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb)
+        hw = wide(h)  # the fp32 streams, converted once per sublayer for the mix, collapse and expand
+        pre, post, comb = self._mix("attn", h, hw)
+        x = hc_collapse(h, pre_prev if lagged else pre, hw)
+        h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb, hw)
+        pre_attn, hw = pre, wide(h)
+        pre, post, comb = self._mix("ffn", h, hw)
+        x = hc_collapse(h, pre_attn if lagged else pre, hw)
+        h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
         return h, pre
 
 

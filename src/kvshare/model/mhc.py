@@ -27,10 +27,14 @@ NUMPY_SINKHORN_MAX_T = 64
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-           rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) in fp32 from streams h [T, hc, D]."""
+           rms_eps: float, hc_eps: float, iters: int,
+           hw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) in fp32 from streams h [T, hc, D].
+
+    `hw`: ``wide(h)`` when the caller already has it (one conversion per sublayer, same bits).
+    """
     t, hc, _ = h.shape
-    m = rms_normalize(h.reshape(t, -1), rms_eps) @ wide(fn).t()
+    m = rms_normalize((wide(h) if hw is None else hw).reshape(t, -1), rms_eps) @ wide(fn).t()
     b, s = wide(base), wide(scale)
     pre = torch.sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
@@ -69,15 +73,16 @@ def _sinkhorn_numpy(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tens
     return comb
 
 
-def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """[T, D] = sum_j pre[:, j] h[:, j] (fp32 accumulate, cast to h's dtype)."""
-    return (pre.unsqueeze(-1) * wide(h)).sum(dim=1).to(h.dtype)
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor, hw: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, D] = sum_j pre[:, j] h[:, j] (fp32 accumulate, cast to h's dtype); `hw` = wide(h) if known."""
+    return (pre.unsqueeze(-1) * (wide(h) if hw is None else hw)).sum(dim=1).to(h.dtype)
 
 
-def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """[T, hc, D]: h'_k = post_k y + sum_j comb[j, k] h_j."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb, wide(h))
-    return (post.unsqueeze(-1) * wide(y).unsqueeze(1) + mixed).to(h.dtype)
+def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              hw: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, hc, D]: h'_k = post_k y + sum_j comb[j, k] h_j; `hw` = wide(h) if the caller has it."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb, wide(h) if hw is None else hw)
+    return mixed.add_(post.unsqueeze(-1) * wide(y).unsqueeze(1)).to(h.dtype)  # + commutes: same bits
 
 
 def hc_head_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
