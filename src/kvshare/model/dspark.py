@@ -164,13 +164,19 @@ class DSparkDraft:
     def block_forward(self, windows: DraftWindows, anchors: torch.Tensor, anchor_pos: torch.Tensor,
                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(base logits U [N, B, vocab], pre-norm collapsed hidden x_head [N, B, D]) of N blocks."""
+        dtype = self.model.embed.weight.dtype
+        context = {layer: windows.read(layer, slots, anchor_pos, dtype) for layer in self.layers}
+        return self.run_block(anchors, anchor_pos, context)
+
+    def run_block(self, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                  context: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`block_forward` given each stage's context rows ([N, W, d], [N, W] valid) directly
+        (training builds them from the target's taps without a cache)."""
         cfg, m, n, b = self.cfg, self.model, anchors.shape[0], self.block
         ids = torch.full((n, b), cfg.dspark_noise_token_id, dtype=torch.int64, device=anchors.device)
         ids[:, 0] = anchors
         ids = ids.flatten()
         pos = (anchor_pos[:, None] + torch.arange(b, device=anchors.device)[None, :]).flatten()
-        dtype = m.embed.weight.dtype
-        context = {layer: windows.read(layer, slots, anchor_pos, dtype) for layer in self.layers}
         ctx = DraftContext(ids, pos, n, context)
         x = m.embed(ids)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()

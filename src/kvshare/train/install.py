@@ -17,7 +17,7 @@ from pathlib import Path
 from kvshare.shipped import MODEL_DIR
 
 RELEASE_FILES = ("config.json", "model.safetensors", "corpus_manifest.json", "training_log.json", "eval.json",
-                 "generation_config.json")
+                 "generation_config.json", "dspark_log.json")
 MAX_MB = 20.0
 
 
@@ -36,7 +36,8 @@ def install(src: Path, dest: Path, generation_config: Path | None = None, max_mb
     mb = (src / "model.safetensors").stat().st_size / 1e6
     if mb > max_mb:
         raise ValueError(f"{src}/model.safetensors is {mb:.1f} MB, more than the {max_mb} MB limit")
-    load_checkpoint(src, load_config(str(src)))  # raises CheckpointError on missing / mis-shaped tensors
+    cfg = load_config(str(src))  # raises CheckpointError on missing / mis-shaped tensors (draft ones too)
+    load_checkpoint(src, cfg, draft=cfg.num_draft_layers > 0)
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in RELEASE_FILES:

@@ -7,8 +7,10 @@ peak lr 2e-3, cosine, seed 0). Stage 2 continues from stage 1's bf16 release wit
 peak lr 1e-3 after a 30-step warm-up, flat until ``STAGE2_DECAY_START``, then cosine to 10 % at
 ``STAGE2_STEPS`` (the warm-up / stable / decay schedule whose decay start the shipped run chose by
 wall clock; the numbers here are the ones it recorded), data seed 2. No time cap applies, so the
-chain is a function of the step counts only. The release lands in ``<out>/stage2``; installing it
-in the package is the separate ``python -m kvshare.train.install <out>/stage2``.
+chain is a function of the step counts only. Stage 3 trains the DSpark draft stages on the frozen
+stage-2 model (`dspark.py`, ``DSparkTrainConfig`` defaults) and writes the release with them to
+``<out>/dspark``; installing it in the package is the separate
+``python -m kvshare.train.install <out>/dspark``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from kvshare.train.dspark import DSparkTrainConfig, train_dspark
 from kvshare.train.train import TrainConfig, train
 
 STAGE2_DECAY_START = 710
@@ -41,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {tc}", flush=True)
         log = train(tc, a.out / name, a.out / f"{name}_state")
         print(json.dumps(log["final"]), flush=True)
+    dc = DSparkTrainConfig(base=str(a.out / "stage2"), minutes=1e9)
+    print(f"== dspark: {dc}", flush=True)
+    print(json.dumps(train_dspark(dc, a.out / "dspark")["final"]), flush=True)
     return 0
 
 
