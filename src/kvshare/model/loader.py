@@ -176,9 +176,11 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, draft: bool = False) -> 
             kept[name] = t
         else:
             skipped[kind] += 1
-    if any(skipped.values()):
-        log.warning("checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
-                    path, skipped["draft"], skipped["vision"])
+    if any(skipped.values()):  # the config's own draft stages, left out unless asked for, are routine
+        routine = not skipped["vision"] and cfg.num_draft_layers > 0
+        (log.info if routine else log.warning)(
+            "checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
+            path, skipped["draft"], skipped["vision"])
     state = to_released(_dequantize(kept, cfg))
     if cfg.tie_word_embeddings and "head.weight" not in state and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]

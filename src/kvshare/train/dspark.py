@@ -71,10 +71,11 @@ class DSparkTrainConfig:
 
 
 def dspark_config(base: ModelConfig, tc: DSparkTrainConfig) -> ModelConfig:
-    """`base` plus `tc.stages` DSpark stages (ratio-0 draft layers, the backbone's MoE sizes)."""
+    """`base`'s backbone plus `tc.stages` DSpark stages (ratio-0 draft layers, the backbone's MoE
+    sizes); stages `base` already has are replaced."""
     pad = 258 if base.vocab_size > 258 else 0  # the byte tokenizer's pad id: never in the text
     return dataclasses.replace(
-        base, compress_ratios=tuple(base.compress_ratios) + (0,) * tc.stages, num_nextn_predict_layers=tc.stages,
+        base, compress_ratios=tuple(base.compress_ratios[:base.num_hidden_layers]) + (0,) * tc.stages, num_nextn_predict_layers=tc.stages,
         dspark_block_size=tc.block_size, dspark_noise_token_id=pad, dspark_target_layer_ids=tuple(tc.target_layers),
         dspark_markov_rank=tc.markov_rank, dspark_n_routed_experts=base.n_routed_experts,
         dspark_num_experts_per_tok=base.num_experts_per_tok)
@@ -196,7 +197,7 @@ def save_release(model: torch.nn.Module, cfg: ModelConfig, tc: DSparkTrainConfig
     from kvshare.model.loader import save_checkpoint
 
     src = base_dir(tc.base)
-    state = load_file(str(src / "model.safetensors"))
+    state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("mtp.")}
     state.update({f"mtp.{k}": v.detach().to(torch.bfloat16) for k, v in model.mtp.state_dict().items()})
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(state, cfg, out)
