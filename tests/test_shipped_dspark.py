@@ -138,3 +138,19 @@ def test_draft_targets_match_a_hand_written_walk():
     assert [(int(s), int(a), lb.tolist(), p.tolist(), o.tolist())
             for s, a, lb, p, o in zip(seq, anc, label, prev, ok)] == rows
     assert 0 < int(ok[:, 1:].sum()) < ok[:, 1:].numel()  # both cases occur
+
+
+@needs_weights
+def test_recipe_defaults_are_the_shipped_drafter_run():
+    """The recipe's stage 3 (DSparkTrainConfig defaults, no time cap) is the run that shipped."""
+    import json
+    from dataclasses import asdict
+
+    from kvshare.train.dspark import DSparkTrainConfig
+
+    log = json.loads((shipped_model_dir(MODEL) / "dspark_log.json").read_text())
+    shipped = {k: v for k, v in log["config"].items() if k not in ("base", "minutes")}
+    want = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(DSparkTrainConfig()).items()
+            if k not in ("base", "minutes")}
+    assert shipped == want
+    assert log["final"]["step"] == DSparkTrainConfig().steps and not log["final"]["stopped_early"]
