@@ -166,10 +166,10 @@ def test_engine_penalised_greedy_matches_dense_recomputation(tiny_model):
     assert out != plain  # the penalties changed the output, so the comparison is not vacuous
 
 
-def test_penalised_requests_decode_plainly_beside_speculating_ones():
-    """With speculation on, a request using penalties gives the tokens of a plain engine (it is
-    never drafted for, and its sampler row gets its history) while a plain greedy request in the
-    same steps speculates; min_p requests likewise take the plain path."""
+def test_speculation_verifies_with_penalties_and_min_p():
+    """With speculation on, requests using penalties or min_p speculate too: each verified row j is
+    penalised with the history (prompt, output + d_1..d_j). A drafter proposing the plain engine's
+    own (penalised) continuation is accepted in full, and every output equals the plain engine's."""
     from test_speculative_exact import SPEC, model_and_prompts
 
     model, prompts, refs = model_and_prompts()
@@ -178,17 +178,16 @@ def test_penalised_requests_decode_plainly_beside_speculating_ones():
                                     frequency_penalty=2.0, presence_penalty=1.0),
               "minp": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_p=0.2),
               "greedy": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)}
-
     drafted_for: set[str] = set()
 
-    def record(seq, k):  # the test hook that replaces the DSpark proposal
-        drafted_for.add(seq.request_id)
-        return [0] * k
-
-    def outputs(spec):
+    def outputs(spec, plain=None):
         eng = LLMEngine(model, speculative_config=spec, dtype=torch.float64)
         if spec is not None:
-            eng.speculator.draft_override = record
+            def oracle(seq, k):  # the test hook that replaces the DSpark proposal
+                drafted_for.add(seq.request_id)
+                ahead = plain[seq.request_id][len(seq.output_token_ids):]
+                return (ahead + [0] * k)[:k]
+            eng.speculator.draft_override = oracle
         for name, p in params.items():
             eng.add_request(name, prompt, p)
         done = {}
@@ -199,7 +198,26 @@ def test_penalised_requests_decode_plainly_beside_speculating_ones():
         return done, eng
 
     plain, _ = outputs(None)
-    spec, _ = outputs(SPEC)
+    spec, eng = outputs(SPEC, plain)
     assert spec == plain
     assert plain["pen"] != plain["greedy"]  # the penalties changed the output
-    assert drafted_for == {"greedy"}
+    assert drafted_for == set(params)
+    st = eng.stats().extra
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"]  # penalised rows accepted the penalised chain
+
+
+def test_penalised_rows_follow_the_drafts():
+    """Row j of a verified chunk is penalised with output + drafts[:j] (hand formula per row)."""
+    from types import SimpleNamespace
+
+    from kvshare.engine.spec_accept import penalised_rows
+
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    pen = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    seqs = [SimpleNamespace(params=pen, prompt_token_ids=[1], output_token_ids=[2, 2]),
+            SimpleNamespace(params=SamplingParams(), prompt_token_ids=[1], output_token_ids=[2])]
+    got = penalised_rows(logits, [[3, 2], [4, 4]], seqs)
+    for j, out in enumerate([[2, 2], [2, 2, 3], [2, 2, 3, 2]]):
+        want = hand_penalised(logits[0, j].tolist(), [1], out, 2.0, 0.5, 0.25)
+        assert torch.allclose(got[0, j], torch.tensor(want, dtype=torch.float64), atol=1e-12)  # observed 0
+    assert torch.equal(got[1], logits[1])

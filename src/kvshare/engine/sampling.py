@@ -171,11 +171,6 @@ class Sampler:
         return logits.index_copy(0, idx, sub)
 
 
-def _filtered_probs(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax of logits/temp restricted to each row's top-k and top-p set (batched; speculative acceptance)."""
-    return torch.softmax(_top_k_top_p(logits / temp[:, None], top_k, top_p), dim=-1)
-
-
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`x` [M, vocab] with everything outside each row's top-k and top-p set set to -inf (batched).
 

@@ -8,8 +8,11 @@ draft distributions ``q_j`` they were drawn from. Rows and drafts are padded to 
   argmax of row k (k = accepted count). The committed tokens equal plain greedy decoding.
 * Sampling: accept ``d_{j+1}`` with probability ``min(1, p_j(d)/q_j(d))`` (u < p/q, u uniform);
   at the first rejection the bonus is drawn from ``norm(max(0, p_k - q_k))``, after K_i
-  acceptances from ``p_{K_i}``. p is the target after temperature, top-k and top-p (the Sampler's
-  rule), so the committed tokens are distributed as plain sampling from p.
+  acceptances from ``p_{K_i}``. p is the target after temperature, min_p, top-k and top-p (the
+  Sampler's rule), so the committed tokens are distributed as plain sampling from p.
+* Penalties (`penalised_rows`): row j follows the drafts d_1..d_j, so it is penalised with the
+  history (prompt, output + d_1..d_j), exactly what plain decoding applies had it produced those
+  tokens; greedy and sampled acceptance then use the penalised rows.
 
 Random draws (one uniform per draft, one exponential race for the bonus) come from the request's
 own generator when it has a seed, else from the engine's.
@@ -19,17 +22,48 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.engine.sampling import Sampler, SamplingParams, _filtered_probs
+from typing import Any
+
+from kvshare.engine.penalties import apply_penalties
+from kvshare.engine.sampling import Sampler, SamplingParams, _top_k_top_p
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """p [N, R, V]: each row's distribution after its request's temperature / top-k / top-p."""
+    """p [N, R, V]: each row's distribution after its request's temperature, min_p, top-k and
+    top-p, in the Sampler's order."""
     n, r, v = logits.shape
-    flat = logits.reshape(n * r, v).float()
-    temp = torch.tensor([max(p.temperature, 1e-6) for p in params], device=logits.device).repeat_interleave(r)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=logits.device).repeat_interleave(r)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=logits.device).repeat_interleave(r)
-    return _filtered_probs(flat, temp, top_k.clamp(1, v), top_p).view(n, r, v)
+    dev = logits.device
+
+    def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(r)
+
+    x = logits.reshape(n * r, v).float() / per_row([max(p.temperature, 1e-6) for p in params])[:, None]
+    if any(p.min_p > 0 for p in params):
+        min_p = per_row([p.min_p for p in params])
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + min_p.log()[:, None], float("-inf"))
+    top_k = per_row([p.top_k if p.top_k > 0 else v for p in params], torch.int64).clamp(1, v)
+    return torch.softmax(_top_k_top_p(x, top_k, per_row([p.top_p for p in params])), dim=-1).view(n, r, v)
+
+
+def penalised_rows(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Any]) -> torch.Tensor:
+    """`logits` [N, K+1, V] with each penalised request's penalties applied row by row: row j is
+    penalised with the history (prompt, output + drafts[:j]). Requests without penalties keep their
+    rows as they are (the same tensor when no request has any)."""
+    n, r, v = logits.shape
+    pen = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    if not pen:
+        return logits
+    hist = [(seqs[i].prompt_token_ids, [*seqs[i].output_token_ids, *drafts[i][:j]]) for i in pen for j in range(r)]
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(seqs[i].params, name) for i in pen for _ in range(r)], dtype=torch.float32,
+                            device=logits.device)
+
+    flat = logits.reshape(n * r, v)
+    idx = torch.tensor([i * r + j for i in pen for j in range(r)], dtype=torch.int64, device=logits.device)
+    sub = apply_penalties(flat.index_select(0, idx), hist, per_row("repetition_penalty"),
+                          per_row("frequency_penalty"), per_row("presence_penalty"))
+    return flat.index_copy(0, idx, sub.to(flat.dtype)).view(n, r, v)
 
 
 def _draws(sampler: Sampler, params: list[SamplingParams], ids: list[str], shape: tuple[int, ...],

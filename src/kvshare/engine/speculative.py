@@ -5,7 +5,7 @@ One ``step(sched)`` replaces the engine's forward + sample for every scheduled c
 1. **Propose.** Decode chunks (one uncomputed token, the anchor, already generated) of requests
    that may speculate get up to K drafts: one batched draft forward of all their blocks, then the
    Markov loop (K sequential positions, batched over sequences). A request speculates unless it
-   uses penalties or min_p (acceptance applies neither) or has < 2 tokens left to generate. Each
+   has < 2 tokens left to generate. Each
    gets blocks for positions a .. a+K_i; K_i shrinks to what the pool, the step's token budget and
    max_model_len allow (0: it decodes plainly in the same step).
 2. **Verify.** One target forward over every chunk, drafts appended to their chunk; taps at the
@@ -37,7 +37,7 @@ import torch
 from kvshare.engine.outputs import RequestOutput
 from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvshare.engine.sequence import Sequence
-from kvshare.engine.spec_accept import draft_choice, verify
+from kvshare.engine.spec_accept import draft_choice, penalised_rows, verify
 from kvshare.engine.spec_config import SpeculativeConfig
 from kvshare.model.dspark import DSparkDraft
 from kvshare.runtime import StepState
@@ -66,14 +66,6 @@ class Speculator:
     def _is_decode(c: ScheduledChunk) -> bool:
         return c.samples and c.length == 1 and c.start >= len(c.seq.prompt_token_ids)
 
-    def _may_speculate(self, c: ScheduledChunk) -> bool:
-        p = c.seq.params
-        if not self._is_decode(c):
-            return False
-        # Penalties depend on every earlier token and min_p reshapes the target distribution; the
-        # acceptance rule applies neither, so such requests decode plainly in the same step.
-        return not p.has_penalties and p.min_p == 0
-
     def _budget(self, chunks: list[ScheduledChunk], left: list[int]) -> list[tuple[int, int]]:
         """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks. `left[0]`:
         the step's token budget still free (drafts spend it)."""
@@ -81,7 +73,7 @@ class Speculator:
         blocks = eng.blocks
         out = []
         for i, c in enumerate(chunks):
-            if left[0] <= 0 or not self._may_speculate(c):
+            if left[0] <= 0 or not self._is_decode(c):
                 continue
             seq = c.seq
             n = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, left[0],
@@ -198,7 +190,8 @@ class Speculator:
                             device=dev)
         d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
         seqs = [chunks[i].seq for i in idx]
-        acc, bonus = verify(logits[rows], d, torch.tensor([k for _, k in picked], device=dev),
+        verified = penalised_rows(logits[rows], [chunks[i].draft for i in idx], seqs)
+        acc, bonus = verify(verified, d, torch.tensor([k for _, k in picked], device=dev),
                             q[:, :k_max] if q is not None else None, [s.params for s in seqs],
                             [s.request_id for s in seqs], eng.sampler)
         lsm = torch.log_softmax(logits.float(), dim=-1)
