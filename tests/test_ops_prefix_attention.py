@@ -21,12 +21,15 @@ def _row_reference(q: torch.Tensor, keys: list[torch.Tensor], sink: torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("block", [1, 3, 64])
-def test_matches_the_formula_row_by_row(block: int) -> None:
+# lens [5, 1, 7]: a fresh prompt, a decode row, a later chunk (rows regrouped into padded blocks);
+# lens [4, 4, 4] with a block dividing 4: rows already in [N, S] order (the no-copy path)
+@pytest.mark.parametrize("block,lens", [(1, [5, 1, 7]), (3, [5, 1, 7]), (64, [5, 1, 7]), (2, [4, 4, 4]),
+                                        (4, [4, 4, 4])])
+def test_matches_the_formula_row_by_row(block: int, lens: list[int]) -> None:
     g = torch.Generator().manual_seed(0)
     f64 = torch.float64
     w, h, d, n_comp = 4, 3, 8, 6
-    starts, lens = [0, 2, 9], [5, 1, 7]  # a fresh prompt, a decode row, a later chunk
+    starts = [0, 2, 9]
     seq_index = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)])
     rank = torch.tensor([r for n in lens for r in range(n)])
     t = len(seq_index)
@@ -59,3 +62,22 @@ def test_rows_with_nothing_to_attend_give_zero() -> None:
     out = prefix_attention(q, keys, torch.tensor([0, 0]), None, None, torch.tensor([0, 1]), torch.tensor([0, 0]),
                            torch.zeros(2), 1.0)
     assert torch.equal(out, torch.zeros(2, 2, 4))  # the only key is a zero row: weight / (weight + sink) * 0
+
+
+def test_inference_in_place_equals_autograd_path_bit_for_bit() -> None:
+    """Without autograd the score blocks are rewritten in place; with it, out of place: same bits."""
+    g = torch.Generator().manual_seed(1)
+    n, s_len, h, d, p_len, n_comp = 2, 4, 2, 8, 3, 5
+    q = torch.randn(n * s_len, h, d, generator=g)
+    win = torch.randn(n, p_len + s_len, d, generator=g)
+    comp = torch.randn(n, n_comp, d, generator=g)
+    mask = picks_to_mask(torch.randint(-1, n_comp, (n * s_len, 3), generator=g), n_comp)
+    seq_index, rank = torch.arange(n).repeat_interleave(s_len), torch.arange(s_len).repeat(n)
+    sink = torch.randn(h, generator=g, requires_grad=True)
+    args = (win, torch.tensor([0, 6]), comp, mask, seq_index, rank, sink, 0.5)
+    with torch.inference_mode():
+        fast = prefix_attention(q, *args, block=2)
+    slow = prefix_attention(q.requires_grad_(), *args, block=2)
+    slow.sum().backward()
+    assert torch.equal(fast, slow.detach())
+    assert q.grad is not None and sink.grad is not None and bool(torch.isfinite(q.grad).all())

@@ -73,32 +73,41 @@ def prefix_attention(
     kw = wide(win).to(acc)
     if sp > s:
         kw = torch.cat([kw, kw.new_zeros(n, sp - s, d)], dim=1)
-    q_pad = regroup(qf, seq_index, rank, n, sp)  # [N, Sp, H, d]
+    # rows already in [N, Sp] order (equal-length sequences, no block padding): views, not copies
+    dense = t == n * sp and bool(torch.equal(seq_index * sp + rank, torch.arange(t, device=q.device)))
+    q_pad = qf.view(n, sp, h, d) if dense else regroup(qf, seq_index, rank, n, sp)  # [N, Sp, H, d]
     width = bq + p_len
     kb = kw.unfold(1, width, bq)  # [N, nb, d, width] view: block b's keys are indices b*bq .. b*bq+width-1
-    s_w = torch.matmul(q_pad.view(n, nb, bq * h, d), kb).view(n, nb, bq, h, width) * scale
+    # without autograd the score/probability blocks are rewritten in place (same values, bit for
+    # bit, minus four full-size temporaries); with autograd the out-of-place ops keep the graph
+    fresh = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, win, comp, sink))
+    s_w = torch.matmul(q_pad.view(n, nb, bq * h, d), kb).view(n, nb, bq, h, width)
+    s_w = s_w * scale if fresh else s_w.mul_(scale)
     a = torch.arange(bq, device=q.device)
     j = torch.arange(width, device=q.device)
     band = (j[None, :] >= a[:, None]) & (j[None, :] <= a[:, None] + p_len)  # [bq, width]
     key_pos = starts[:, None, None] - p_len + torch.arange(nb, device=q.device)[None, :, None] * bq + j  # [N, nb, width]
     ok = band[None, None, :, None, :] & (key_pos >= 0)[:, :, None, None, :]
-    s_w = s_w.masked_fill(~ok, float("-inf")).view(n, sp, h, width)
+    s_w = (s_w.masked_fill(~ok, float("-inf")) if fresh else s_w.masked_fill_(~ok, float("-inf"))).view(n, sp, h, width)
     sink_f = wide(sink).to(acc).view(1, 1, h)
     m = torch.maximum(s_w.amax(dim=-1), sink_f)
     s_c = None
     if comp is not None and comp.shape[1] > 0:
         cf = wide(comp).to(acc)
         length = cf.shape[1]
-        s_c = torch.bmm(q_pad.view(n, sp * h, d), cf.transpose(1, 2)).view(n, sp, h, length) * scale
-        cmask = regroup(comp_mask, seq_index, rank, n, sp)  # [N, Sp, L]
-        s_c = s_c.masked_fill(~cmask[:, :, None, :], float("-inf"))
+        s_c = torch.bmm(q_pad.view(n, sp * h, d), cf.transpose(1, 2)).view(n, sp, h, length)
+        s_c = s_c * scale if fresh else s_c.mul_(scale)
+        cm = comp_mask.view(n, sp, -1) if dense else regroup(comp_mask, seq_index, rank, n, sp)
+        cmask = ~cm[:, :, None, :]  # [N, Sp, 1, L]
+        s_c = s_c.masked_fill(cmask, float("-inf")) if fresh else s_c.masked_fill_(cmask, float("-inf"))
         m = torch.maximum(m, s_c.amax(dim=-1))
-    p_w = torch.exp(s_w - m.unsqueeze(-1))
+    p_w = torch.exp(s_w - m.unsqueeze(-1)) if fresh else s_w.sub_(m.unsqueeze(-1)).exp_()
     denom = p_w.sum(dim=-1) + torch.exp(sink_f - m)
     o = torch.matmul(p_w.view(n, nb, bq * h, width), kb.transpose(-1, -2)).view(n, sp, h, d)
     if s_c is not None:
-        p_c = torch.exp(s_c - m.unsqueeze(-1))
+        p_c = torch.exp(s_c - m.unsqueeze(-1)) if fresh else s_c.sub_(m.unsqueeze(-1)).exp_()
         denom = denom + p_c.sum(dim=-1)
-        o = o + torch.bmm(p_c.view(n, sp * h, -1), cf).view(n, sp, h, d)
-    o = o / denom.unsqueeze(-1)
-    return o[seq_index, rank].to(q.dtype)
+        o_c = torch.bmm(p_c.view(n, sp * h, -1), cf).view(n, sp, h, d)
+        o = o + o_c if fresh else o.add_(o_c)
+    o = o / denom.unsqueeze(-1) if fresh else o.div_(denom.unsqueeze(-1))
+    return (o.view(t, h, d) if dense else o[seq_index, rank]).to(q.dtype)
