@@ -74,9 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)
         self.runner = ModelRunner(model, self.backend, self.blocks, self.device)
         self.prefix = None
-        # Under tensor parallelism the workers replay rank 0's forwards but not a hit's ring restore,
-        # so their rings would diverge: prefix caching stays off there until the restore is replayed.
-        if args.enable_prefix_caching and args.tensor_parallel_size == 1:
+        # Under tensor parallelism rank 0's hits are replayed on the workers (parallel/control.py).
+        if args.enable_prefix_caching:
             budget = checkpoint_budget(self.layout, args)
             self.prefix = PrefixCaching(self.layout, self.pool, self.blocks, self.backend, budget,
                                         str(getattr(model, "name_or_path", "")), self.dtype)

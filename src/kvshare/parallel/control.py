@@ -2,9 +2,12 @@
 
 Rank 0 runs the whole `LLMEngine` (scheduler, block manager, sampler). Before each forward it
 broadcasts a `Step`: the flat token ids, the `StepBatch` (positions, slots, block tables, logit
-rows...) and the request slots whose rings were zeroed since the last step. A worker holds the same
+rows...) and the slot operations since the last step, in the order rank 0 applied them: a slot
+whose rings were zeroed (an int), or a prefix hit's ring restore ``(slot, boundary, rings)`` with
+the checkpoint's rows themselves (rank 0 alone keeps the checkpoint store; the hit's blocks already
+match, since every rank wrote them in the same replayed forwards). A worker holds the same
 replicated cache (an engine built from the same arguments, whose scheduler it never uses), applies
-the slot resets, runs the same forward (the model's collectives pair up with rank 0's) and the
+the slot operations, runs the same forward (the model's collectives pair up with rank 0's) and the
 backend's end-of-step updates. Workers make no decision of their own, so they cannot diverge.
 
 Other messages: ``"digest"`` (every rank returns a SHA-256 of its block pool and rings, gathered
@@ -22,10 +25,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvshare.cache.checkpoint import restore
 from kvshare.runtime import StepBatch
 
 STOP = "stop"
 DIGEST = "digest"
+
+# A slot reset (the slot id) or a prefix hit's restore: (slot, boundary, checkpoint rings as
+# `kvshare.cache.checkpoint.restore` takes them, on the CPU).
+SlotOp = int | tuple[int, int, dict[tuple[str, int], tuple[int, int, torch.Tensor]]]
 
 
 @dataclass
@@ -34,7 +42,7 @@ class Step:
 
     input_ids: torch.Tensor
     batch: StepBatch
-    resets: list[int]
+    slot_ops: list[SlotOp]  # in rank 0's order: a reset and a later restore of one slot must not swap
     threads: int  # rank 0's intra-op thread count: replicated maths must round alike on every rank
 
 
@@ -74,6 +82,16 @@ def gather_digests(pool: Any, size: int) -> list[str]:
     return out
 
 
+def apply_slot_ops(pool: Any, ops: list[SlotOp]) -> None:
+    """Apply rank 0's slot resets and ring restores to this rank's pool, in order."""
+    for op in ops:
+        if isinstance(op, int):
+            pool.reset_slots(torch.tensor([op], dtype=torch.int64, device=pool.device))
+        else:
+            slot, boundary, rings = op
+            restore(pool, slot, boundary, rings)
+
+
 def worker_loop(engine: Any, size: int) -> None:
     """Replay rank 0's steps on this worker's engine until rank 0 says stop."""
     runner, pool = engine.runner, engine.pool
@@ -87,6 +105,5 @@ def worker_loop(engine: Any, size: int) -> None:
         if torch.get_num_threads() != msg.threads:
             torch.set_num_threads(msg.threads)
         with torch.inference_mode():
-            if msg.resets:
-                pool.reset_slots(torch.tensor(msg.resets, dtype=torch.int64, device=pool.device))
+            apply_slot_ops(pool, msg.slot_ops)
             runner.forward(msg.input_ids.to(runner.device), moved(msg.batch, runner.device))

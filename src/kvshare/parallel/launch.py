@@ -54,18 +54,29 @@ class TPHandle:
         self.errors = errors
         self.failed: TPWorkerError | None = None
         self.closed = False
-        self._resets: list[int] = []
+        self._ops: list[control.SlotOp] = []  # slot resets and prefix restores since the last step
         atexit.register(self.close)
 
     def attach(self, engine: Any) -> None:
-        """Route `engine`'s steps through the group: resets and steps go to workers first."""
+        """Route `engine`'s steps through the group: slot resets, prefix restores and steps go to
+        the workers (the operations with the next step, in the order rank 0 applied them)."""
         on_open = engine.blocks.on_open
 
         def reset(slot: int) -> None:
-            self._resets.append(slot)
+            self._ops.append(slot)
             on_open(slot)
 
         engine.blocks.on_open = reset
+        if engine.prefix is not None:
+            adopt = engine.prefix.adopt
+
+            def adopt_and_forward(seq: Any, m: Any) -> None:
+                adopt(seq, m)
+                if m.boundary > 0 and m.checkpoint is not None:  # what adopt restored, as it did
+                    rings = {k: (d, w, r.cpu()) for k, (d, w, r) in m.checkpoint.rings.items()}
+                    self._ops.append((seq.slot, m.boundary, rings))
+
+            engine.prefix.adopt = adopt_and_forward
         runner = engine.runner
         runner.before_forward = self._send_step
         local_forward = runner.forward
@@ -77,8 +88,8 @@ class TPHandle:
         self.pool = engine.pool
 
     def _send_step(self, input_ids: torch.Tensor, batch: Any) -> None:
-        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._resets, torch.get_num_threads())
-        self._resets = []
+        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._ops, torch.get_num_threads())
+        self._ops = []
         self._guard(control.send, step)
 
     def _guard(self, fn: Any, *a: Any) -> Any:
