@@ -13,6 +13,16 @@ from kvshare.cli import main
 L, H, HD, QL, G, OL, D, E, I, V = 40, 64, 512, 1280, 8, 1024, 5120, 384, 2304, 129280
 
 
+def _primes_above(n: int, count: int) -> list[int]:
+    """The `count` smallest primes above `n`, by trial division."""
+    out: list[int] = []
+    while len(out) < count:
+        n += 1
+        if n % 2 and all(n % d for d in range(3, int(n ** 0.5) + 1, 2)):
+            out.append(n)
+    return out
+
+
 def _plan(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     assert main(["plan", "deepseek-v4.1-flash", "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
@@ -28,9 +38,14 @@ def test_plan_tp8_per_rank_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     per_rank = total - sharded + sharded // 8
     assert [r["weight_params"] for r in tp["ranks"]] == [per_rank] * 8
     assert tp["ranks"][0]["weight_bytes"] == 2 * per_rank  # bf16
-    # Engram tables are replicated (host memory): rows 384,006,168 + 384,016,682 (engram_dspark.md §1.1),
-    # each 256 FP8 bytes + 8 ue8m0 scales.
-    assert [r["engram_table_bytes"] for r in tp["ranks"]] == [(384_006_168 + 384_016_682) * 264] * 8
+    # Engram tables are split by hash columns (engram_dspark.md §1.11): 24 columns, 3 per rank. Layer 1's
+    # columns use the 24 smallest primes above 15,999,999 in order, layer 14's the next 24 (§1.1, §1.4);
+    # a row is 256 FP8 bytes + 8 ue8m0 scales.
+    p = _primes_above(15_999_999, 48)
+    assert (sum(p[:24]), sum(p[24:])) == (384_006_168, 384_016_682)  # the published row counts
+    want = [(sum(p[3 * r:3 * r + 3]) + sum(p[24 + 3 * r:24 + 3 * r + 3])) * 264 for r in range(8)]
+    assert [r["engram_table_bytes"] for r in tp["ranks"]] == want
+    assert sum(want) == (384_006_168 + 384_016_682) * 264
     # Caches are replicated: the per-rank cache figures are TP=1's.
     assert plan["layout"] == _plan(capsys)["layout"]
 

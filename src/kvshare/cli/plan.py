@@ -214,7 +214,7 @@ def _print_ranks(console: Any, plan: dict[str, Any]) -> None:
     t = Table(title=f"per rank, tensor parallel x{tp['size']} (weights at {tp['bytes_per_param']} B/param; "
                     "caches replicated on every rank)", title_justify="left")
     for col in ("rank", "weight params", "weight bytes", "cache bytes per token", "state per sequence",
-                "Engram tables (host, replicated)"):
+                "Engram tables (host, own hash columns)"):
         t.add_column(col, justify="right")
     for r in tp["ranks"]:
         t.add_row(str(r["rank"]), f"{r['weight_params']:,}", _fmt_bytes(r["weight_bytes"]),

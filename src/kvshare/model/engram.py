@@ -29,6 +29,7 @@ builds a config's hasher over the model's tokenizer (its compressed map must hav
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +60,9 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(hc, d))
         self.k_weight = nn.Parameter(torch.ones(hc, d))
         self.table: EngramTable | None = None
+        # Tensor parallelism (parallel/engram_shard.py): (first column, end column, first table row,
+        # all-gather) of this rank's hash columns; the table then holds only those columns' rows.
+        self.tp_columns: tuple[int, int, int, Any] | None = None
 
     def forward(self, h: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """Streams [T, hc, D] after the Engram add; `row_ids` [T, cols], `dead` [T] bool (gate closed)."""
@@ -66,7 +70,11 @@ class Engram(nn.Module):
             raise RuntimeError(f"layer {self.layer}: the Engram table is not loaded (load the checkpoint, or "
                                "call init_weights for a random model)")
         t, hc, d = h.shape
-        e = self.table.lookup(row_ids, h.dtype).reshape(t, -1).to(h.device)
+        if self.tp_columns is None:
+            e = self.table.lookup(row_ids, h.dtype).reshape(t, -1).to(h.device)
+        else:
+            lo, hi, base, gather = self.tp_columns
+            e = gather(self.table.lookup(row_ids[:, lo:hi] - base, h.dtype).reshape(t, -1).to(h.device))
         kv = self.wkv(e)
         key = wide(kv[:, : hc * d]).view(t, hc, d)
         value = wide(kv[:, hc * d:])

@@ -8,7 +8,8 @@
   scale), skips the routed experts of other ranks and reads replicated tensors whole;
 - a checkpoint in another naming (transformers'): the whole checkpoint is read, then narrowed;
 - a config name or file without weights: the full model is initialised (`init_weights`), then sharded.
-Engram (V4.1) is replicated: every rank hashes the same ids and maps the whole host tables.
+Engram (V4.1): every rank hashes the same ids, maps the host tables and keeps only its hash columns'
+rows (`engram_shard.shard_engram`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import refuse_pickle_only
 from kvshare.model.hf_naming import NAMINGS, detect_naming
 from kvshare.model.engram_table import is_table_name
+from kvshare.parallel.engram_shard import shard_engram
 from kvshare.model.loader import (_scale_owner, _skip_kind, _weight_block, checkpoint_files, engram_tables,
                                   has_weights, load_checkpoint, load_model, load_state_into)
 from kvshare.parallel.shard import ShardPlan, apply_tp, check_divisible, restructure
@@ -144,7 +146,8 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     m.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
     m.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
     load_state_into(m, read_rank_state(weights_dir, cfg, plan))
-    if cfg.engram_layer_ids:  # replicated: every rank maps the whole host tables
+    if cfg.engram_layer_ids:  # each rank keeps its hash columns' rows of the mapped tables
         m.engram_hash = engram_hasher(cfg, tokenizer)
         m.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, args.engram_table))
+        shard_engram(m, plan.rank, plan.size, group)
     return m.to(device=device, dtype=dtype).eval()

@@ -4,9 +4,9 @@
   `bytes_per_param` (kvshare keeps weights decoded in the model dtype).
 - Cache: every cache is replicated (B.4), so each rank holds the whole layout: the per-token,
   per-block and per-sequence figures of `CacheLayout` apply to every rank unchanged.
-- Engram (V4.1): replicated too. Every rank maps the whole host-resident tables (FP8 rows + row
-  scales, `config_engram.engram_bytes`); ranks on one machine share the mapped pages. Splitting the
-  tables by hash columns (vLLM, SGLang) is not implemented.
+- Engram (V4.1): the host-resident tables (FP8 rows + row scales) are split by hash columns
+  (`engram_shard`): rank r holds its columns' rows, `rank_table_bytes`; the ranks' figures sum to
+  `config_engram.engram_bytes`' ``tables``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import math
 from typing import Any
 
 from kvshare.config import ModelConfig
-from kvshare.config_engram import engram_bytes
 from kvshare.model.hf_naming import released_shapes
+from kvshare.parallel.engram_shard import rank_table_bytes
 from kvshare.parallel.shard import ShardPlan, check_divisible
 
 
@@ -24,7 +24,6 @@ def rank_plan(cfg: ModelConfig, size: int, bytes_per_param: int) -> dict[str, An
     """Per-rank weights (params, bytes) and Engram table bytes; ConfigError if `size` does not divide."""
     check_divisible(cfg, size)
     shapes = released_shapes(cfg)
-    tables = engram_bytes(cfg)["tables"]
     ranks = []
     for r in range(size):
         plan = ShardPlan(cfg, r, size)
@@ -34,6 +33,6 @@ def rank_plan(cfg: ModelConfig, size: int, bytes_per_param: int) -> dict[str, An
             if p is not None:
                 params += math.prod(shape) if p[1] is None else math.prod(shape) // shape[p[1]] * p[3]
         ranks.append({"rank": r, "weight_params": params, "weight_bytes": params * bytes_per_param,
-                      "engram_table_bytes": tables})
+                      "engram_table_bytes": rank_table_bytes(cfg, r, size)})
     return {"size": size, "bytes_per_param": bytes_per_param,
             "total_weight_params": sum(math.prod(s) for s in shapes.values()), "ranks": ranks}

@@ -9,8 +9,8 @@ Sharded (rank r of n holds the r-th contiguous 1/n):
   the shared expert is replicated and added after the reduce);
 - ``embed`` and ``head`` by vocabulary rows.
 Everything else is replicated: ``wq_a``, ``wkv``, norms, mHC, compressors, the indexer (so top-k
-equals TP=1's), the router, every cache, and Engram (its `wkv` and gates; every rank maps the
-whole host tables; splitting them by hash columns is not implemented).
+equals TP=1's), the router, every cache, and Engram's `wkv` and gates. Engram tables are split by
+hash columns (`parallel/engram_shard.py`: each rank keeps whole columns' rows, lookups all-gathered).
 
 `apply_tp(model, group)` shards a built (loaded) model in place: module shapes change, parameter
 names stay the released checkpoint names except that a rank's experts are numbered from 0.
@@ -30,6 +30,7 @@ from torch import nn
 from kvshare.config import ModelConfig
 from kvshare.errors import ConfigError
 from kvshare.model.quantize import fit_block
+from kvshare.parallel.engram_shard import check_engram_divisible, shard_engram
 from kvshare.parallel.layers import ParallelHead, VocabParallelEmbedding, make_row_parallel, narrowed
 
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts\.)(\d+)(\..+)$")
@@ -50,6 +51,7 @@ def check_divisible(cfg: ModelConfig, size: int, act_quant: bool = False) -> Non
         if value % size:
             raise ConfigError(f"{value} is not divisible by tensor_parallel_size {size}", field=field,
                               fix="choose a tensor-parallel size that divides it")
+    check_engram_divisible(cfg, size)
     width = cfg.o_groups * cfg.o_lora_rank
     block = fit_block(width, cfg.act_quant_block)
     if act_quant and (width // size) % block:
@@ -120,6 +122,7 @@ def restructure(model: nn.Module, plan: ShardPlan, group: Any) -> nn.Module:
     v = cfg.vocab_size // size
     model.embed = VocabParallelEmbedding(_local(model.embed.weight, 0, plan).data, plan.rank * v, group)
     model.head = ParallelHead(_local(model.head.weight, 0, plan).data, group)
+    shard_engram(model, plan.rank, size, group)
     model.tp_plan = plan
     return model
 
