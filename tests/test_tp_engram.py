@@ -9,7 +9,6 @@ exact dequantisation, so nothing is summed across ranks.
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -56,31 +55,15 @@ def test_sharded_engram_equals_tp1_bitwise() -> None:
     for i, layer in enumerate(cfg.engram_layer_ids):
         full = model.layers[layer].engram
         want = full(h, rows[:, i])
-        hub = tp_util.ThreadHub(2)
-        got: list[torch.Tensor | None] = [None, None]
-        kept = [0, 0]
-        errors: list[BaseException] = []
 
-        def run(rank: int) -> None:
-            try:
-                shard = copy.deepcopy(model)
-                shard_engram(shard, rank, 2, tp_util.ThreadGroup(rank, hub))
-                kept[rank] = shard.layers[layer].engram.table.rows
-                got[rank] = shard.layers[layer].engram(h, rows[:, i])
-            except BaseException as e:  # surface in the test, and release the other rank
-                errors.append(e)
-                hub.barrier.abort()
+        def rank_forward(group: tp_util.ThreadGroup) -> tuple[int, torch.Tensor]:
+            shard = copy.deepcopy(model)
+            shard_engram(shard, group.rank, 2, group)
+            return shard.layers[layer].engram.table.rows, shard.layers[layer].engram(h, rows[:, i])
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        assert kept == [hi - lo for lo, hi in (rank_rows(cfg, r, 2)[i] for r in range(2))]  # only its rows
-        assert got[0] is not None and got[1] is not None
-        assert torch.equal(got[0], want) and torch.equal(got[1], want)  # bitwise; observed 0 difference
+        (kept0, got0), (kept1, got1) = tp_util.run_ranks(2, rank_forward)
+        assert [kept0, kept1] == [hi - lo for lo, hi in (rank_rows(cfg, r, 2)[i] for r in range(2))]  # only its rows
+        assert torch.equal(got0, want) and torch.equal(got1, want)  # bitwise; observed 0 difference
         assert not torch.equal(want, h)  # the Engram add did something
 
 

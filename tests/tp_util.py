@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -86,16 +87,17 @@ def record_forward(model: torch.nn.Module, prompt: list[int] = PROMPT) -> dict[s
     return out
 
 
-def threads_tp(name: str, size: int) -> list[dict[str, torch.Tensor]]:
-    """`record_forward` of every rank's shard, the ranks as threads of this process."""
+def run_ranks(size: int, fn: Callable[[ThreadGroup], Any]) -> list[Any]:
+    """``fn(group)`` of every rank of one `ThreadHub`, the ranks as threads of this process (1 intra-op
+    thread each); a rank's exception is raised here after releasing the others."""
     hub = ThreadHub(size)
-    results: list[dict[str, torch.Tensor] | None] = [None] * size
+    results: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         torch.set_num_threads(1)  # per OS thread: must equal the gloo ranks' count for equal bits
         try:
-            results[rank] = record_forward(apply_tp(tiny(name), ThreadGroup(rank, hub)))
+            results[rank] = fn(ThreadGroup(rank, hub))
         except BaseException as e:  # surface in the test, and release the others
             errors.append(e)
             hub.barrier.abort()
@@ -107,7 +109,12 @@ def threads_tp(name: str, size: int) -> list[dict[str, torch.Tensor]]:
         t.join()
     if errors:
         raise errors[0]
-    return results  # type: ignore[return-value]
+    return results
+
+
+def threads_tp(name: str, size: int) -> list[dict[str, torch.Tensor]]:
+    """`record_forward` of every rank's shard, the ranks as threads of this process."""
+    return run_ranks(size, lambda group: record_forward(apply_tp(tiny(name), group)))
 
 
 def gloo_rank(rank: int, size: int, init_method: str, names: list[str], out_dir: str) -> None:
