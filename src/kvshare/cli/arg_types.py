@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Any, Callable
 
 # Bare k/m/g/t and KiB/MiB/GiB/TiB are binary; kB/MB/GB/TB are decimal.
 _UNITS = {
@@ -29,34 +30,28 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _checked(text: str, cast: type, ok: Callable[[float], bool], wanted: str, bad_range: str) -> Any:
+    """`cast(text)` when it parses and `ok` holds; argparse's error otherwise."""
+    try:
+        v = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(bad_range.format(text=text, v=v))
+    return v
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+    return _checked(text, int, lambda v: v > 0, "a positive integer", "expected a positive integer, got {text!r}")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
+    return _checked(text, float, lambda v: 0 < v < float("inf"), "a positive number",
+                    "expected a positive number, got {text!r}")
 
 
 def port_number(text: str) -> int:
     """A TCP port, 1-65535 (0 is refused: clients need to know the port)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
-    if not 1 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {v}")
-    return v
+    return _checked(text, int, lambda v: 1 <= v <= 65535, "a TCP port number", "a TCP port is 1-65535, got {v}")
