@@ -33,6 +33,7 @@ from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import plain_linear
 from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
+from kvshare.model.mhc_chunked import HcWeights, hc_boundary, hc_enter
 from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
@@ -76,6 +77,13 @@ class Block(nn.Module):
         taps = ctx.state.taps if ctx.state is not None else None
         if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
             taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
+        if torch.is_grad_enabled():
+            return self._forward_unchunked(h, pre_prev, ctx, lagged)
+        return self._forward_chunked(h, pre_prev, ctx, lagged)
+
+    def _forward_unchunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
+                           lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s sublayers with `model/mhc.py`'s whole-step functions (autograd-capable)."""
         hw = wide(h)  # the fp32 streams, converted once per sublayer for the mix, collapse and expand
         pre, post, comb = self._mix("attn", h, hw)
         x = hc_collapse(h, pre_prev if lagged else pre, hw)
@@ -85,6 +93,21 @@ class Block(nn.Module):
         x = hc_collapse(h, pre_attn if lagged else pre, hw)
         h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
         return h, pre
+
+    def _hc_weights(self, sub: str) -> HcWeights:
+        cfg = self.cfg
+        return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
+                         getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def _forward_chunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
+                         lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s sublayers with the mHC passes of `model/mhc_chunked.py` (inference: same bits)."""
+        x, mix_a = hc_enter(h, self._hc_weights("attn"), pre_prev if lagged else None)
+        y = self.attn(self.attn_norm(x), ctx)
+        h, x, mix_f = hc_boundary(h, y, mix_a, self._hc_weights("ffn"), mix_a.pre if lagged else None)
+        assert x is not None and mix_f is not None
+        h, _, _ = hc_boundary(h, self.ffn(self.ffn_norm(x), ctx.input_ids), mix_f, None)
+        return h, mix_f.pre
 
 
 class Transformer(nn.Module):

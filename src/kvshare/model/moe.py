@@ -119,37 +119,61 @@ class MoE(nn.Module):
         rows = torch.cat([torch.div(sel, k, rounding_mode="floor"), torch.arange(t, device=x.device)])
         row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
         out = _run_experts(groups, x[rows], row_w)
-        slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
-        slots[sel] = out[:sel.numel()]
+        n_sel = sel.numel()
+        if n_sel == t * k:  # every slot is local: gather each token's k outputs in slot order
+            where = torch.empty_like(sel)
+            where[sel] = torch.arange(n_sel, device=x.device)
+            slots = out[where]
+        else:  # expert parallelism: slots routed to other ranks stay zero
+            slots = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+            slots[sel] = out[:n_sel]
         routed = wide(slots.view(t, k, -1)).sum(dim=1)
-        if self.reduce is not None:
-            routed = self.reduce(routed)
-        return (routed + wide(out[sel.numel():])).to(x.dtype)
+        if self.reduce is not None:  # may hand back a tensor its caller keeps: add out of place
+            return (self.reduce(routed) + wide(out[n_sel:])).to(x.dtype)
+        return routed.add_(wide(out[n_sel:])).to(x.dtype)
+
+
+#: rows per expert group from which `_run_experts` runs each group's SwiGLU right after its GEMMs
+#: (prefill: the group's activations stay in cache); below it the element-wise work of all groups
+#: runs as one batch (decode: few rows per expert, so per-op overhead dominates)
+PER_GROUP_MIN_ROWS = 64
 
 
 def _run_experts(groups: list[tuple[Expert, int]], xs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`Expert.forward` for consecutive row groups of xs [N, D] with routing weights [N], batched.
+    """`Expert.forward` for consecutive row groups of xs [N, D] with routing weights [N].
 
-    Group i is the next ``n_i`` rows for expert i. Only the GEMMs run per group; the FP8 input
-    rounding, clamps, SwiGLU, weighting and casts run once over all rows. Every step is row-wise
-    and each GEMM sees the same rows in the same order as a per-expert call, so the result is
-    bitwise `Expert.forward(rows, weight)` per group (the shared expert's weight 1 is exact:
-    ``wide(h) * 1`` rounds back to h).
+    Group i is the next ``n_i`` rows for expert i. Every step is row-wise and each GEMM sees the
+    same rows in the same order as a per-expert call, so the result is bitwise
+    `Expert.forward(rows, weight)` per group whichever way the element-wise work is arranged (the
+    shared expert's weight 1 is exact: ``wide(h) * 1`` rounds back to h).
     """
     e0 = groups[0][0]
-    limit, act, block = e0.limit, e0.w1.mode.act, e0.w1.block
+    act, block = e0.w1.mode.act, e0.w1.block
     if act:
         xs = act_quant(xs, block)
     bounds, start = [], 0
     for _, n in groups:
         bounds.append((start, start + n))
         start += n
+    if xs.shape[0] >= PER_GROUP_MIN_ROWS * len(groups):
+        out = xs.new_empty(xs.shape[0], e0.w2.out_features)
+        for (e, _), (a, b) in zip(groups, bounds):
+            hidden = _swiglu(Linear.forward(e.w1, xs[a:b]), Linear.forward(e.w3, xs[a:b]), weight[a:b], e.limit)
+            out[a:b] = Linear.forward(e.w2, act_quant(hidden, block) if act else hidden)
+        return out
     gate = torch.cat([Linear.forward(e.w1, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
     up = torch.cat([Linear.forward(e.w3, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    hidden = (wide(F.silu(gate) * up) * weight.unsqueeze(-1)).to(xs.dtype)
+    hidden = _swiglu(gate, up, weight, e0.limit)
     if act:
         hidden = act_quant(hidden, block)
     return torch.cat([Linear.forward(e.w2, hidden[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    """``(wide(silu(min(gate, limit)) * clamp(up)) * weight).to(gate.dtype)``, overwriting the fresh
+    GEMM outputs gate and up (in-place ops: the same values as `Expert.forward`'s)."""
+    if limit > 0:
+        gate.clamp_(max=limit)
+        up.clamp_(-limit, limit)
+    hidden = F.silu(gate, inplace=True).mul_(up)
+    return wide(hidden).mul_(weight.unsqueeze(-1)).to(gate.dtype)
