@@ -26,6 +26,8 @@ from kvshare.model.dense_cache import DenseCache
 from kvshare.model.quantize import KVQuantizer
 from kvshare.runtime import StepBatch
 
+pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+
 MAX_TOKENS = 4
 PROMPT_SEED = int(os.environ.get("KVSHARE_TEST_PROMPT_SEED", "0"))  # vary to explore other prompts
 # fp32 reduction order differs between batch shapes (~1e-6). With quant on, fake-quant could turn

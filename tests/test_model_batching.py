@@ -16,6 +16,8 @@ from test_model_common import (
     MAX_LEN, assert_close, make_model, run_chunks, token_ids,
 )
 
+pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+
 
 CONFIGS = ["tiny-v41", "tiny-v41-deep", "cand"]
 

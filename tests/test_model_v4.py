@@ -13,6 +13,8 @@ from test_model_common import (
     MAX_LEN, assert_close, make_model, run_chunks, token_ids,
 )
 
+pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+
 
 SEQ = 136  # the first ratio-128 entry becomes visible at t = 127
 

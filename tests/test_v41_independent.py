@@ -18,6 +18,8 @@ from kvshare.runtime import StepBatch, StepState
 from test_model_common import cand_config, make_model, token_ids
 from v41_reference import _fit, _moe, fp4, fp8, freqs, reference_forward, rms, rope
 
+pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+
 SEQ = 40
 F64 = torch.float64
 
