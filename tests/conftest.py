@@ -13,8 +13,9 @@ import pytest  # noqa: E402
 @pytest.fixture
 def small_mhc_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked inference mHC in 5-row chunks for the tiny test models (hidden 32, 4 streams), so
-    model and engine tests run prefills and wide decode batches through several chunks and a
-    ragged last one (steps of <= 5 rows take the unchunked path)."""
+    model and engine tests run prefills and wide decode batches through several chunks (steps of
+    <= 5 rows take the unchunked path)."""
     from kvshare.model import mhc_chunked
 
     monkeypatch.setattr(mhc_chunked, "CHUNK_BYTES", 5 * 4 * 4 * 32)
+    monkeypatch.setattr(mhc_chunked, "MIN_CHUNKS", 1)

@@ -57,7 +57,7 @@ def _spec_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mhc_chunked, "CHUNK_BYTES", 5 * 4 * HC * D)  # 5 rows per chunk
+    monkeypatch.setattr(mhc_chunked, "CHUNK_BYTES", 5 * 4 * HC * D)  # about 5 rows per chunk
 
 
 @pytest.mark.parametrize("lagged", [False, True])
@@ -118,3 +118,8 @@ def test_boundary_without_next_sublayer_keeps_dtype_and_shape() -> None:
         out, x, nxt = hc_boundary(h, y, mix, None)
     assert out.shape == h.shape and out.dtype == torch.bfloat16 and x is None and nxt is None
     assert torch.equal(out, mhc.hc_expand(h, y, mix.post, mix.comb))
+
+
+@pytest.mark.parametrize("t,rows", [(1, 1), (5, 5), (6, 3), (13, 5), (16, 4), (2048, 5)])
+def test_chunks_are_even_and_at_most_the_byte_budget(t: int, rows: int) -> None:
+    assert mhc_chunked.chunk_rows(t, HC, D) == rows  # ceil(t / ceil(t / 5)) rows per chunk

@@ -33,7 +33,7 @@ from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import plain_linear
 from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
-from kvshare.model.mhc_chunked import HcWeights, chunk_rows, hc_boundary, hc_enter
+from kvshare.model.mhc_chunked import HcWeights, hc_boundary, hc_enter, worth_chunking
 from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
@@ -77,8 +77,8 @@ class Block(nn.Module):
         taps = ctx.state.taps if ctx.state is not None else None
         if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
             taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
-        if torch.is_grad_enabled() or h.shape[0] <= chunk_rows(h.shape[1], h.shape[2]):
-            return self._forward_unchunked(h, pre_prev, ctx, lagged)  # training; or one chunk (decode)
+        if torch.is_grad_enabled() or not worth_chunking(*h.shape):
+            return self._forward_unchunked(h, pre_prev, ctx, lagged)  # training; small steps (decode)
         return self._forward_chunked(h, pre_prev, ctx, lagged)
 
     def _forward_unchunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
