@@ -79,8 +79,9 @@ class RotaryEmbedding(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(C, S, -S) [*positions.shape, rope_dim] in `freqs`' dtype (see the module doc)."""
         key = (id(positions), version_of(positions), freqs.dtype, positions.device)
-        hit = self._tables.get(key)
+        hit = self._tables.pop(key, None)
         if hit is not None and hit[0] is positions:
+            self._tables[key] = hit  # most recently used last: the step's positions stay while entry positions pass
             return hit[1]
         angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
         cos, sin = angles.cos(), angles.sin()
@@ -107,10 +108,13 @@ class RotaryEmbedding(nn.Module):
         c, s = c.view(shape), (s_neg if inverse else s).view(shape)
         tail = x[..., -rd:]
         t = tail.to(freqs.dtype)
-        swapped = t.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2).mul_(s)  # flip copies
-        t = t.mul_(c) if t.data_ptr() != tail.data_ptr() else t * c
         if torch.is_grad_enabled() and x.requires_grad:  # out= records no autograd graph
-            return torch.cat([x[..., :-rd], (t + swapped).to(x.dtype)], dim=-1)
+            swapped = t.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2) * s
+            return torch.cat([x[..., :-rd], (t * c + swapped).to(x.dtype)], dim=-1)
+        swapped = torch.empty_like(t)  # swap(t) * S, written pair-half by pair-half (cheaper than flip)
+        torch.mul(t[..., 1::2], s[..., 0::2], out=swapped[..., 0::2])
+        torch.mul(t[..., 0::2], s[..., 1::2], out=swapped[..., 1::2])
+        t = t.mul_(c) if t.data_ptr() != tail.data_ptr() else t * c
         if inplace:
             out = x
         else:
