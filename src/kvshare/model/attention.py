@@ -29,7 +29,7 @@ from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
-from kvshare.model.norm import RMSNorm, rms_normalize
+from kvshare.model.norm import RMSNorm, rms_normalize_as
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import causal_mask, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         owned = self.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
         if owned:
-            q = rms_normalize(q, self.cfg.rms_norm_eps).to(q.dtype)
+            q = rms_normalize_as(q, self.cfg.rms_norm_eps)
         q = rope.rotate(q, pos, inplace=owned)
 
         kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True))
