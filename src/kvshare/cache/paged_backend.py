@@ -76,11 +76,16 @@ class PagedBackend:
         valid = q >= 0
         in_step = q >= start
         step_row = (batch.cu_seqlens[seq][:, None] + q - start).clamp(0, max(t_all - 1, 0))
-        # Unpack each sequence's ring once ([N, depth, w]), then index it per requested row.
-        rings = _unpack(fmt, ring.index_select(0, batch.slots)).to(values.dtype)
-        stored = rings[seq[:, None].expand_as(q), q.remainder(phys)]
-        out = torch.where(in_step[..., None], values[step_row], stored)
-        out = out.masked_fill(~valid[..., None], 0)
+        if bool((valid & ~in_step).any()):
+            # Unpack each sequence's ring once ([N, depth, w]), then index it per requested row.
+            rings = _unpack(fmt, ring.index_select(0, batch.slots)).to(values.dtype)
+            stored = rings[seq[:, None].expand_as(q), q.remainder(phys)]
+            out = torch.where(in_step[..., None], values[step_row], stored)
+            out = out.masked_fill(~valid[..., None], 0)
+        else:  # every valid position is in this step (prompts from position 0): one gather, same values
+            out = values[step_row]
+            if not bool(valid.all()):
+                out = out.masked_fill_(~valid[..., None], 0)
         key = (name, layer)
         if key not in self._pending_keys:
             if self.capture is not None:  # prefix caching: ring rows at a block boundary (cache/checkpoint.py)

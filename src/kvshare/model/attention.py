@@ -29,7 +29,7 @@ from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
-from kvshare.model.norm import RMSNorm, rms_normalize
+from kvshare.model.norm import RMSNorm, rms_normalize_as
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import causal_mask, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
@@ -72,11 +72,12 @@ class Attention(nn.Module):
         rope = ctx.rope_for(self.ratio)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        if self.cfg.arch == "v4":
-            q = rms_normalize(q, self.cfg.rms_norm_eps).to(q.dtype)
-        q = rope.rotate(q, pos)
+        owned = self.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
+        if owned:
+            q = rms_normalize_as(q, self.cfg.rms_norm_eps)
+        q = rope.rotate(q, pos, inplace=owned)
 
-        kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos))
+        kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True))
         scale, batch = self.head_dim**-0.5, ctx.batch
         comp, comp_valid, per_seq = self._compressed(ctx, x, qr) if self.ratio > 0 else (None, None, True)
         if per_seq:
@@ -98,7 +99,7 @@ class Attention(nn.Module):
 
     def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
         """Inverse RoPE at the query positions, then grouped ``wo_a`` and ``wo_b`` ([T, H, d] -> [T, D])."""
-        o = rope.rotate(o, pos, inverse=True)
+        o = rope.rotate(o, pos, inverse=True, inplace=True)  # o: the attention's fresh output
         g = self.n_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
         u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], g, -1), wo_a).flatten(1)

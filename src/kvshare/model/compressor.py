@@ -91,8 +91,9 @@ class Compressor(nn.Module):
             r, d = self.ratio, self.dim
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
             score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
-        score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
-        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
+        if not bool(valid.all()):  # positions before 0 (a prompt's first groups) take no weight
+            score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+            kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
         pooled = (torch.softmax(score, dim=1) * kv).sum(dim=1)
         latent = self.norm(pooled.to(x.dtype))
         return Emitted(rows, ctx.seq_index[rows], (pos[rows] + 1) // self.ratio - 1, latent)

@@ -9,10 +9,13 @@ Angles are computed on the fly from the positions (no table of max_position_embe
 fp32, or in float64 for a float64 input (`precision.wide`: exactness runs stay float64); the
 rotation runs in that dtype and the result is cast back to the input dtype once. Frequencies are
 kept in float64 outside the module's buffers, so ``model.to(bfloat16)`` cannot round them.
-The cos/sin table of the last positions tensor is kept per working dtype (keyed by that tensor's
-identity and version, holding a reference so its memory cannot be reused), so the q, kv and
-output rotations of a step build it once per RoPE flavour instead of once per call; the values
-are the same bits.
+Each rotation is ``out = tail * C + swap(tail) * S`` over the whole rope tail, where swap
+exchanges the two halves of every pair, ``C = (cos, cos)`` and ``S = (-sin, +sin)`` per pair:
+element 2i is ``a cos + b (-sin)`` and 2i+1 is ``b cos + a sin``, the same bits as the complex
+product ``(a cos - b sin, a sin + b cos)`` (negation is exact, and IEEE + is commutative). The
+(C, S, -S) tables of the last few positions tensors are kept per working dtype (keyed by the
+tensor's identity and version, holding a reference so its memory cannot be reused), so the q,
+kv, latent and output rotations of a step build each once.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from torch import nn
 
 from kvshare.config import YarnConfig
 from kvshare.precision import version_of
+
+TABLES_KEPT = 4  # a step rotates at its token positions and at each layer's new entry positions
 
 
 def rope_frequencies(rope_dim: int, base: float, yarn: YarnConfig | None) -> torch.Tensor:
@@ -60,7 +65,7 @@ class RotaryEmbedding(nn.Module):
         self.rope_dim = rope_dim
         self.freqs64 = rope_frequencies(rope_dim, base, yarn)  # float64, never cast by .to(dtype)
         self._freqs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self._table: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._tables: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def _freqs_for(self, x: torch.Tensor) -> torch.Tensor:
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -70,32 +75,50 @@ class RotaryEmbedding(nn.Module):
             f = self._freqs[key] = self.freqs64.to(device=x.device, dtype=dt)
         return f
 
-    def cos_sin(self, positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [*positions.shape, rope_dim / 2] in `freqs`' dtype of the angles at `positions`."""
-        t = self._table
-        if (t is not None and t[0] is positions and t[1] == version_of(positions) and t[2] == freqs.dtype
-                and t[3].device == positions.device):
-            return t[3], t[4]
+    def pair_tables(self, positions: torch.Tensor, freqs: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(C, S, -S) [*positions.shape, rope_dim] in `freqs`' dtype (see the module doc)."""
+        key = (id(positions), version_of(positions), freqs.dtype, positions.device)
+        hit = self._tables.pop(key, None)
+        if hit is not None and hit[0] is positions:
+            self._tables[key] = hit  # most recently used last: the step's positions stay while entry positions pass
+            return hit[1]
         angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
         cos, sin = angles.cos(), angles.sin()
-        self._table = (positions, version_of(positions), freqs.dtype, cos, sin)
-        return cos, sin
+        c = torch.stack([cos, cos], dim=-1).flatten(-2)
+        s = torch.stack([-sin, sin], dim=-1).flatten(-2)
+        if len(self._tables) >= TABLES_KEPT:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = (positions, (c, s, -s))
+        return c, s, -s
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, *,
+               inplace: bool = False) -> torch.Tensor:
         """x[..., -rope_dim:] rotated by +angle (or -angle when `inverse`); other dims untouched.
 
         `positions` matches x's leading dims (e.g. [T] for x [T, d] or x [T, H, d]); dims of x
-        between the positions' dims and the last are broadcast (heads).
+        between the positions' dims and the last are broadcast (heads). The tail is rotated in
+        the working dtype and cast back to x's dtype once. `inplace`: the caller owns x and
+        x's tail is overwritten (x is returned); ignored when autograd records x.
         """
         rd = self.rope_dim
         freqs = self._freqs_for(x)
-        cos, sin = self.cos_sin(positions, freqs)
-        extra = x.dim() - 1 - positions.dim()
-        cos = cos.view(*positions.shape, *([1] * extra), rd // 2)
-        sin = sin.view(*positions.shape, *([1] * extra), rd // 2)
-        if inverse:
-            sin = -sin
-        tail = x[..., -rd:].to(freqs.dtype).unflatten(-1, (rd // 2, 2))
-        a, b = tail[..., 0], tail[..., 1]
-        rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-        return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+        c, s, s_neg = self.pair_tables(positions, freqs)
+        shape = (*positions.shape, *([1] * (x.dim() - 1 - positions.dim())), rd)
+        c, s = c.view(shape), (s_neg if inverse else s).view(shape)
+        tail = x[..., -rd:]
+        t = tail.to(freqs.dtype)
+        if torch.is_grad_enabled() and x.requires_grad:  # out= records no autograd graph
+            swapped = t.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2) * s
+            return torch.cat([x[..., :-rd], (t * c + swapped).to(x.dtype)], dim=-1)
+        swapped = torch.empty_like(t)  # swap(t) * S, written pair-half by pair-half (cheaper than flip)
+        torch.mul(t[..., 1::2], s[..., 0::2], out=swapped[..., 0::2])
+        torch.mul(t[..., 0::2], s[..., 1::2], out=swapped[..., 1::2])
+        t = t.mul_(c) if t.data_ptr() != tail.data_ptr() else t * c
+        if inplace:
+            out = x
+        else:
+            out = torch.empty_like(x)
+            out[..., :-rd] = x[..., :-rd]
+        torch.add(t, swapped, out=out[..., -rd:])  # computed in the working dtype, cast on store
+        return out

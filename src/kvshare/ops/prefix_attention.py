@@ -16,6 +16,9 @@ are contiguous in the step):
 * compressed: every row of the sequence ``comp`` [N, L, d], read once, with a per-row mask
   ``comp_mask`` [T, L] (top-k picks scattered into a mask, or every causal entry).
 
+A sequence with a long chunk (a prefill) skips the blocks: `sequence_band` scores exactly its W
+window keys per row (no masked half-band), one sequence at a time.
+
 The sums run in a different order than `sparse_attention`'s single concatenated sum (window and
 compressed parts reduced separately, masked zeros included), so results agree to rounding, not
 bits. Computed in fp32 (float64 for float64 inputs), returned in q's dtype.
@@ -25,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.ops.sequence_band import attend_by_sequence
 from kvshare.precision import wide
+
+# a sequence with this many rows in the step (a prefill chunk) is attended on its own, W scores
+# per row; its ~15 kernel launches are then small next to the half-band scores they save.
+# Decode rows and short chunks stay banded (and bit for bit as before).
+BY_SEQUENCE_MIN_ROWS = 64
 
 
 def picks_to_mask(picks: torch.Tensor, width: int) -> torch.Tensor:
@@ -59,8 +68,50 @@ def prefix_attention(
     sink: torch.Tensor,  # [H]
     scale: float,
     block: int = 64,
+    by_sequence: bool | None = None,
 ) -> torch.Tensor:
-    """[T, H, d] attention output (see module doc)."""
+    """[T, H, d] attention output (see module doc).
+
+    Sequences with at least BY_SEQUENCE_MIN_ROWS rows in the step go through
+    `sequence_band.attend_by_sequence` (W scores per row instead of block + W - 1), the others
+    through the banded blocks; `by_sequence` True / False sends every sequence one way. The
+    choice depends only on a sequence's own chunk length, so a row's result does not depend on
+    the other sequences of the step.
+    """
+    t, n = q.shape[0], win.shape[0]
+    fresh = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, win, comp, sink))
+    if t == 0 or by_sequence is False:
+        return _banded(q, win, starts, comp, comp_mask, seq_index, rank, sink, scale, block, fresh)
+    lens = torch.bincount(seq_index, minlength=n)
+    long = torch.ones_like(lens, dtype=torch.bool) if by_sequence else lens >= BY_SEQUENCE_MIN_ROWS
+    n_long = int(long.sum())
+    if n_long == 0:
+        return _banded(q, win, starts, comp, comp_mask, seq_index, rank, sink, scale, block, fresh)
+    p_len = win.shape[1] - int(lens.max())
+    if n_long == n:
+        return attend_by_sequence(q, win, p_len, starts.tolist(), lens.tolist(), comp, comp_mask, sink, scale, fresh)
+    # both kinds: each part on its own rows (sequence order and row order kept), then merged
+    row_long = long[seq_index]
+    rows_l, rows_s = row_long.nonzero().squeeze(1), (~row_long).nonzero().squeeze(1)
+    o_l = attend_by_sequence(q[rows_l], win[long], p_len, starts[long].tolist(), lens[long].tolist(),
+                             None if comp is None else comp[long],
+                             None if comp_mask is None else comp_mask[rows_l], sink, scale, fresh)
+    short = ~long
+    renumber = torch.cumsum(short, 0) - 1  # old sequence index -> index among the short ones
+    s_short = int(lens[short].max())
+    o_s = _banded(q[rows_s], win[short][:, :p_len + s_short], starts[short], None if comp is None else comp[short],
+                  None if comp_mask is None else comp_mask[rows_s], renumber[seq_index[rows_s]], rank[rows_s],
+                  sink, scale, block, fresh)
+    out = q.new_zeros(q.shape)
+    out[rows_l] = o_l
+    out[rows_s] = o_s
+    return out
+
+
+def _banded(q: torch.Tensor, win: torch.Tensor, starts: torch.Tensor, comp: torch.Tensor | None,
+            comp_mask: torch.Tensor | None, seq_index: torch.Tensor, rank: torch.Tensor, sink: torch.Tensor,
+            scale: float, block: int, fresh: bool) -> torch.Tensor:
+    """`prefix_attention` by banded blocks of `block` query rows (see the module doc)."""
     t, h, d = q.shape
     n = win.shape[0]
     p_len = win.shape[1] - (int(rank.max()) + 1 if t else 0)
@@ -79,8 +130,7 @@ def prefix_attention(
     width = bq + p_len
     kb = kw.unfold(1, width, bq)  # [N, nb, d, width] view: block b's keys are indices b*bq .. b*bq+width-1
     # without autograd the score/probability blocks are rewritten in place (same values, bit for
-    # bit, minus four full-size temporaries); with autograd the out-of-place ops keep the graph
-    fresh = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, win, comp, sink))
+    # bit, minus four full-size temporaries); with autograd (`fresh`) the out-of-place ops keep the graph
     s_w = torch.matmul(q_pad.view(n, nb, bq * h, d), kb).view(n, nb, bq, h, width)
     s_w = s_w * scale if fresh else s_w.mul_(scale)
     a = torch.arange(bq, device=q.device)
