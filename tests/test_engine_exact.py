@@ -26,7 +26,7 @@ from kvshare.model.dense_cache import DenseCache
 from kvshare.model.quantize import KVQuantizer
 from kvshare.runtime import StepBatch
 
-pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 
 MAX_TOKENS = 4
 PROMPT_SEED = int(os.environ.get("KVSHARE_TEST_PROMPT_SEED", "0"))  # vary to explore other prompts

@@ -29,7 +29,7 @@ DeepseekV4Config = transformers.DeepseekV4Config
 DeepseekV4ForCausalLM = transformers.DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_mod  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 
 SEQ = 140  # > 128: one HCA entry; 35 ratio-4 entries against index_topk 4
 PREFIX = 114  # prefill length before decode: leaves a partial ratio-4 window; decode crosses 127 (HCA entry)

@@ -16,7 +16,7 @@ from test_model_common import (
     MAX_LEN, assert_close, make_model, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 
 
 CONFIGS = ["tiny-v41", "tiny-v41-deep", "cand"]

@@ -13,7 +13,7 @@ from test_model_common import (
     MAX_LEN, assert_close, make_model, run_chunks, token_ids,
 )
 
-pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 
 
 SEQ = 136  # the first ratio-128 entry becomes visible at t = 127

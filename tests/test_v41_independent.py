@@ -18,7 +18,7 @@ from kvshare.runtime import StepBatch, StepState
 from test_model_common import cand_config, make_model, token_ids
 from v41_reference import _fit, _moe, fp4, fp8, freqs, reference_forward, rms, rope
 
-pytestmark = pytest.mark.usefixtures("small_mhc_chunks")  # prefill runs the chunked inference mHC
+pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 
 SEQ = 40
 F64 = torch.float64
