@@ -61,11 +61,15 @@ class Block(nn.Module):
             setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
         self.engram = Engram(cfg, layer, mode) if layer in cfg.engram_layer_ids else None
 
-    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _hc_weights(self, sub: str) -> HcWeights:
+        """Sublayer `sub`'s ("attn" / "ffn") mHC parameters and constants."""
         cfg = self.cfg
-        return hc_mix(h, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                      getattr(self, f"hc_{sub}_scale"), rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps,
-                      iters=cfg.hc_sinkhorn_iters, hw=hw)
+        return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
+                         getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = self._hc_weights(sub)
+        return hc_mix(h, w.fn, w.base, w.scale, rms_eps=w.rms_eps, hc_eps=w.hc_eps, iters=w.iters, hw=hw)
 
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +97,6 @@ class Block(nn.Module):
         x = hc_collapse(h, pre_attn if lagged else pre, hw)
         h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
         return h, pre
-
-    def _hc_weights(self, sub: str) -> HcWeights:
-        cfg = self.cfg
-        return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                         getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     def _forward_chunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                          lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:

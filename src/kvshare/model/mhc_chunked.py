@@ -78,7 +78,9 @@ def hc_enter(h: torch.Tensor, w: HcWeights, collapse_pre: torch.Tensor | None
     x collapses with `collapse_pre` (V4.1: the previous sublayer's pre) or, when None, with the
     pre computed here (V4).
     """
-    return _pass(h, None, None, w, collapse_pre)[1:]  # type: ignore[return-value]
+    _, x, mix = _pass(h, None, None, w, collapse_pre)
+    assert x is not None and mix is not None
+    return x, mix
 
 
 def hc_boundary(h: torch.Tensor, y: torch.Tensor, done: HcMix, w: HcWeights | None,
