@@ -12,7 +12,7 @@ layout of spec/cache.md §2.2 is *not* used): ``[data bytes][scale bytes][pad by
 | kv, window `fp8_v4`    | e4m3 nope dims, then bf16 rope dims     | ue8m0, one per 64 nope dims, row padded to 8 B | 584 |
 | index_k `fp4`          | e2m1 packed                            | ue8m0, one per 32             | 68                  |
 | index_k `fp8`          | e4m3                                   | one fp32 (a power of two)     | 132                 |
-| any `bf16` / `fp32`    | plain little-endian values             | none                          | 2·d / 4·d           |
+| any `bf16` / `fp32` / `fp64` | plain little-endian values       | none                          | 2·d / 4·d / 8·d     |
 
 `fp8` for kv / window resolves by architecture: V4.1 -> `fp8_v41` (528), V4 -> `fp8_v4` (584).
 A ue8m0 scale byte e encodes 2^(e-127).
@@ -45,13 +45,14 @@ KINDS: tuple[str, ...] = ("kv", "index_k", "window")
 
 # kind -> accepted names -> scheme (an arch-dependent name maps to None and is resolved below).
 _NAMES: dict[str, dict[str, str | None]] = {
-    "kv": {"fp4": "fp4_e4m3", "fp8": None, "fp8_v41": "fp8_v41", "fp8_v4": "fp8_v4", "bf16": "bf16", "fp32": "fp32"},
-    "index_k": {"fp4": "fp4_ue8m0", "fp8": "fp8_row", "bf16": "bf16", "fp32": "fp32"},
-    "window": {"fp8": None, "fp8_v41": "fp8_v41", "fp8_v4": "fp8_v4", "bf16": "bf16", "fp32": "fp32"},
+    "kv": {"fp4": "fp4_e4m3", "fp8": None, "fp8_v41": "fp8_v41", "fp8_v4": "fp8_v4", "bf16": "bf16", "fp32": "fp32",
+           "fp64": "fp64"},
+    "index_k": {"fp4": "fp4_ue8m0", "fp8": "fp8_row", "bf16": "bf16", "fp32": "fp32", "fp64": "fp64"},
+    "window": {"fp8": None, "fp8_v41": "fp8_v41", "fp8_v4": "fp8_v4", "bf16": "bf16", "fp32": "fp32", "fp64": "fp64"},
 }
 # scheme -> canonical name shown to users and in layout ids.
 _CANONICAL = {"fp4_e4m3": "fp4", "fp4_ue8m0": "fp4", "fp8_v41": "fp8_v41", "fp8_v4": "fp8_v4",
-              "fp8_row": "fp8", "bf16": "bf16", "fp32": "fp32"}
+              "fp8_row": "fp8", "bf16": "bf16", "fp32": "fp32", "fp64": "fp64"}
 _NOMINAL_BLOCK = {"fp4_e4m3": 16, "fp4_ue8m0": 32, "fp8_v41": 32, "fp8_v4": 64}
 
 DEFAULT_FORMATS: dict[str, dict[str, str]] = {
@@ -162,6 +163,8 @@ class RowFormat:
             return torch.cat((nope, x[..., n:].to(torch.bfloat16).to(x.dtype)), dim=-1)
         if s == "bf16":
             return x.to(torch.bfloat16).to(x.dtype)
+        if s == "fp64":
+            return x.double().to(x.dtype)
         return x.float().to(x.dtype)
 
     # ---- bytes -----------------------------------------------------------------------------
@@ -175,6 +178,8 @@ class RowFormat:
             return torch.zeros(*lead, 0, dtype=torch.uint8, device=x.device)
         if s == "fp32":
             return x.float().contiguous().view(torch.uint8)
+        if s == "fp64":
+            return x.double().contiguous().view(torch.uint8)
         if s == "bf16":
             return x.to(torch.bfloat16).contiguous().view(torch.uint8)
         if s in ("fp4_e4m3", "fp4_ue8m0"):
@@ -203,7 +208,7 @@ class RowFormat:
         return out
 
     def unpack(self, u8: torch.Tensor) -> torch.Tensor:
-        """uint8 [..., row_bytes] -> float32 [..., dim]."""
+        """uint8 [..., row_bytes] -> float32 [..., dim] (float64 for `fp64` rows)."""
         if u8.dtype != torch.uint8 or u8.shape[-1] != self.row_bytes:
             raise ValueError(f"{self.kind} row format {self.label} expects uint8 [..., {self.row_bytes}], "
                              f"got {u8.dtype} [..., {u8.shape[-1]}]")
@@ -213,6 +218,8 @@ class RowFormat:
             return torch.zeros(*u8.shape[:-1], 0, dtype=torch.float32, device=u8.device)
         if s == "fp32":
             return u8.view(torch.float32).clone()
+        if s == "fp64":
+            return u8.view(torch.float64).clone()
         if s == "bf16":
             return u8.view(torch.bfloat16).float()
         data, sc = u8[..., :db], u8[..., db: db + self.scale_bytes]
@@ -252,8 +259,8 @@ def row_format(kind: str, name: str, dim: int, *, arch: str = "v41", rope_dim: i
     block, data, scales, pad, rd = 0, 0, 0, 0, 0
     if dim == 0:  # a model without an indexer: zero-width index rows, never stored
         pass
-    elif scheme in ("fp32", "bf16"):
-        data = dim * (4 if scheme == "fp32" else 2)
+    elif scheme in ("fp64", "fp32", "bf16"):
+        data = dim * {"fp64": 8, "fp32": 4, "bf16": 2}[scheme]
     elif scheme == "fp8_row":
         data, scales = dim, 4
     else:

@@ -125,7 +125,8 @@ def build_layout(cfg: ModelConfig, args: EngineArgs, cache_quant: bool, index_qu
     """
     topo = Topology(cfg, share_cache=args.share_kv_cache)
     bs = args.block_size or default_block_size(topo)
-    plain = "fp32" if dtype == torch.float32 else "bf16"
+    # Plain rows hold what the model computes, losslessly: a float64 model keeps float64 rows.
+    plain = {torch.float32: "fp32", torch.float64: "fp64"}.get(dtype, "bf16")
     if isinstance(args.kv_format, (tuple, list)):
         kv, ik, win = args.kv_format
     else:
