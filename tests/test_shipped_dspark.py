@@ -4,6 +4,9 @@
   for bit (hash of main's model.safetensors before the drafter was added);
 * greedy output with speculation equals greedy output without it (lossless whatever the drafter);
 * the drafter's acceptance on a fixed prompt is at least the measured value (a floor, not a hope);
+  both in float64, where greedy tokens do not depend on the CPU or on the verify step's extra rows
+  (in bf16 they do until the engine is batch-invariant, issue 24: on an AMX Xeon bf16 speculative and
+  plain greedy parted at token 16 and the acceptance was 3.65 against 3.917 where it was trained);
 * one distillation step trains only ``mtp.*`` and lowers the loss on its batch.
 """
 
@@ -24,8 +27,10 @@ NEW = 96
 # sha256 over (name, dtype, shape, bytes) of every tensor of the release before the drafter
 # (main at c0849b4, model.safetensors sha256 d2f24745...): the backbone must not move.
 BACKBONE_SHA256 = "ac0a3a1452d1c0ab14003c4b09a58c7dbcf205f169d95ebfda9d002fba2fe04a"
-# Measured 3.917 (70 of 96 drafts accepted in 24 verifies, K = 4) for PROMPT, NEW tokens, 1 thread.
-ACCEPT_FLOOR = 3.91
+# Measured in float64: 3.276 (66 of 113 drafts accepted in 29 verifies, K = 4) for PROMPT, NEW tokens,
+# 1 thread, the same natively (AVX-512/AMX) and under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
+# (Issue 17's 3.917 was a bf16 run on another CPU; bf16 acceptance moves with the CPU's rounding.)
+ACCEPT_FLOOR = 3.27
 
 needs_weights = pytest.mark.skipif(shipped_model_dir(MODEL) is None, reason="no shipped weights")
 
@@ -60,7 +65,7 @@ def _generate(spec: dict | None) -> tuple[list[int], dict]:
     from kvshare.engine.engine import LLMEngine
     from kvshare.tokenizer import ByteTokenizer
 
-    eng = LLMEngine(MODEL, speculative_config=spec, max_num_seqs=1, max_model_len=256)
+    eng = LLMEngine(MODEL, speculative_config=spec, max_num_seqs=1, max_model_len=256, dtype="float64")
     eng.add_request("r", ByteTokenizer(259).encode(PROMPT, add_bos=True),
                     SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     toks: list[int] = []
@@ -86,7 +91,7 @@ def test_speculative_greedy_equals_plain_greedy(runs):
 @needs_weights
 def test_shipped_drafter_acceptance_floor(runs):
     _, (_, st) = runs
-    # Deterministic (greedy, 1 thread): see ACCEPT_FLOOR's comment for the measured value.
+    # Deterministic (greedy, float64): see ACCEPT_FLOOR's comment for the measured value.
     assert st["spec_mean_accepted_length"] >= ACCEPT_FLOOR
 
 

@@ -28,7 +28,7 @@ from kvshare.topology import Topology
 
 DEFAULT_POOL_CAP_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
 
 @dataclass

@@ -16,6 +16,8 @@ an inference-mode weight has no version counter, so re-`pack()` after editing on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,12 +26,22 @@ from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.precision import version_of
 
 
+@functools.cache
 def packing_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear ops (CPU, bf16)."""
+    """Whether oneDNN's prepacked bf16 linear ops exist in this torch build AND run on this CPU.
+
+    The ops exist in every x86 build, but their bf16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT:
+    on an AVX2-only CPU (or under ``ONEDNN_MAX_CPU_ISA=AVX2``) the reorder raises, so one tiny
+    reorder is tried once and its failure means "use F.linear"."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return bool(torch.backends.mkldnn.is_available() and ops is not None
-                    and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+        if not (torch.backends.mkldnn.is_available() and ops is not None
+                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return False
+        w = torch.zeros(16, 16, dtype=torch.bfloat16)
+        packed = ops._reorder_linear_weight(w, None)
+        ops._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return True
     except (AttributeError, RuntimeError):
         return False
 
