@@ -4,8 +4,9 @@ A column-parallel linear is a plain linear whose weight holds this rank's output
 communication: its outputs are this rank's heads or groups). A row-parallel linear holds this
 rank's input columns; `make_row_parallel` registers a forward hook that sums the partial outputs
 over ranks (fp32 all-reduce), so parameter names stay those of the checkpoint. The vocabulary is
-split in contiguous ranges of ``vocab_size / size`` rows: the embedding looks up the ids it owns
-(zeros elsewhere) and all-reduces; the head computes its logits columns and all-gathers them.
+split in contiguous ranges of ``ceil(vocab_size / size)`` rows (the last one may be shorter): the
+embedding looks up the ids it owns (zeros elsewhere) and all-reduces; the head computes its logits
+columns, pads them to the common shard width, all-gathers them and drops the padding.
 
 `group` is anything with ``rank``, ``size``, ``all_reduce`` and ``all_gather`` (a `TPGroup`, or a
 test's in-process stand-in), so one shard's partial results can be checked without processes.
@@ -47,12 +48,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelHead(nn.Module):
-    """LM head over this rank's vocabulary rows; the logits of all ranks are gathered in vocab order."""
+    """LM head over this rank's vocabulary rows; the logits of all ranks are gathered in vocab order.
 
-    def __init__(self, weight: torch.Tensor, group: Any) -> None:
+    Every rank sends `shard` columns (its own rows' logits, zero-padded), so ranks may hold fewer
+    rows than `shard`; the gathered row keeps the first `vocab` columns."""
+
+    def __init__(self, weight: torch.Tensor, group: Any, shard: int | None = None, vocab: int | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.group = group
+        self.shard = weight.shape[0] if shard is None else shard
+        self.vocab = self.shard * group.size if vocab is None else vocab
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(F.linear(x, self.weight))
+        local = F.linear(x, self.weight)
+        if local.shape[-1] < self.shard:
+            local = F.pad(local, (0, self.shard - local.shape[-1]))
+        return self.group.all_gather(local)[..., :self.vocab]

@@ -7,7 +7,9 @@ Sharded (rank r of n holds the r-th contiguous 1/n):
 - routed experts ``ffn.experts.{E}`` by expert id (expert parallelism inside the group; rank r runs
   experts ``[r E/n, (r+1) E/n)`` on every token it routes there, fp32 all-reduce of the routed sum;
   the shared expert is replicated and added after the reduce);
-- ``embed`` and ``head`` by vocabulary rows.
+- ``embed`` and ``head`` by vocabulary rows: rank r holds ``[r v, min((r+1) v, vocab))`` with
+  ``v = ceil(vocab / n)``, so any vocabulary splits (the last shard may be shorter; the head pads its
+  logits to ``v`` columns for the all-gather and drops the padding after it, as vLLM pads its vocab).
 Everything else is replicated: ``wq_a``, ``wkv``, norms, mHC, compressors, the indexer (so top-k
 equals TP=1's), the router, every cache, and Engram's `wkv` and gates. Engram tables are split by
 hash columns (`parallel/engram_shard.py`: each rank keeps whole columns' rows, lookups all-gathered).
@@ -47,7 +49,7 @@ def check_divisible(cfg: ModelConfig, size: int, act_quant: bool = False) -> Non
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}", field="tensor_parallel_size")
     for field, value in (("num_attention_heads", cfg.num_attention_heads), ("o_groups", cfg.o_groups),
-                         ("n_routed_experts", cfg.n_routed_experts), ("vocab_size", cfg.vocab_size)):
+                         ("n_routed_experts", cfg.n_routed_experts)):
         if value % size:
             raise ConfigError(f"{value} is not divisible by tensor_parallel_size {size}", field=field,
                               fix="choose a tensor-parallel size that divides it")
@@ -70,6 +72,19 @@ class ShardPlan:
     size: int
 
     @property
+    def vocab_shard(self) -> int:
+        """Rows of every rank's (padded) vocabulary shard: ceil(vocab / size)."""
+        return -(-self.cfg.vocab_size // self.size)
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        """(start, length) of the vocabulary rows this rank holds (length < vocab_shard on the last
+        rank when the vocabulary does not divide; 0 when there are more ranks than rows left)."""
+        v = self.vocab_shard
+        start = min(self.rank * v, self.cfg.vocab_size)
+        return start, min(v, self.cfg.vocab_size - start)
+
+    @property
     def experts(self) -> tuple[int, int]:
         """[lo, hi) of the routed expert ids this rank holds."""
         n = self.cfg.n_routed_experts // self.size
@@ -83,7 +98,9 @@ class ShardPlan:
             lo, hi = self.experts
             e = int(m.group(2))
             return (f"{m.group(1)}{e - lo}{m.group(3)}", None, 0, 0) if lo <= e < hi else None
-        dim = 0 if name in _VOCAB else next((d for k, d in _ROW_SPLIT.items()
+        if name in _VOCAB:
+            return (name, 0, *self.vocab_rows)
+        dim = next((d for k, d in _ROW_SPLIT.items()
                                              if name.startswith("layers.") and name.endswith(k)), None)
         if dim is None:
             return name, None, 0, 0
@@ -119,9 +136,10 @@ def restructure(model: nn.Module, plan: ShardPlan, group: Any) -> nn.Module:
         ffn.experts = nn.ModuleList(list(ffn.experts)[lo:hi])
         ffn.expert_offset = lo
         ffn.reduce = group.all_reduce
-    v = cfg.vocab_size // size
-    model.embed = VocabParallelEmbedding(_local(model.embed.weight, 0, plan).data, plan.rank * v, group)
-    model.head = ParallelHead(_local(model.head.weight, 0, plan).data, group)
+    start, length = plan.vocab_rows
+    model.embed = VocabParallelEmbedding(narrowed(model.embed.weight, 0, start, length).data, start, group)
+    model.head = ParallelHead(narrowed(model.head.weight, 0, start, length).data, group,
+                              plan.vocab_shard, cfg.vocab_size)
     shard_engram(model, plan.rank, size, group)
     model.tp_plan = plan
     return model
