@@ -39,7 +39,7 @@ def test_exactness_modules_pass_under_avx2() -> None:
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "AVX2", probe.stdout + probe.stderr  # the cap took effect
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "not slow",
            *[str(here / m) for m in EXACTNESS_MODULES]]
     run = subprocess.run(cmd, cwd=here.parent, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, f"under {OTHER_ISA}:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
