@@ -60,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="exact prefix caching: reuse the cached blocks and boundary checkpoint of a prompt's "
                         "longest cached prefix (default on; --no-enable-prefix-caching turns it off)")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute every token row alone, so a prompt's tokens do not depend on what runs beside "
+                        "it, on chunking or on speculation (fixed-order products; README 'Reproducibility')")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler's random stream (generate and chat also seed their request "
                         "with it, so a run is reproducible); random weights always use the model's fixed seed")
@@ -90,7 +93,10 @@ _ENGINE_KEYS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "threads": "threads",
     "enable_prefix_caching": "enable_prefix_caching",
+    "batch_invariant": "batch_invariant",
 }
+
+_THREE_STATE = {"batch_invariant"}  # None = the engine's default, so True is passed too
 
 
 def _engine_fields() -> set[str] | None:
@@ -107,13 +113,14 @@ def _engine_fields() -> set[str] | None:
 def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for `LLM` / `LLMEngine`: `model` plus every engine flag the user set.
 
-    Boolean switches are passed only when turned off; keys the engine's `EngineArgs` does not
-    know are dropped (with `model` always kept).
+    Boolean switches that default on are passed only when turned off, three-state ones (default
+    None) whenever given; keys the engine's `EngineArgs` does not know are dropped (with `model`
+    always kept).
     """
     kw: dict[str, Any] = {"model": getattr(args, "model", DEFAULT_MODEL)}
     for dest, key in _ENGINE_KEYS.items():
         value = getattr(args, dest, None)
-        if value is None or value is True:
+        if value is None or (value is True and dest not in _THREE_STATE):
             continue
         kw[key] = value
     known = _engine_fields()

@@ -52,9 +52,20 @@ class EngineArgs:
     threads: int | None = None
     enable_prefix_caching: bool = True
     prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see checkpoint_budget
+    batch_invariant: bool | None = None  # None: `resolve_batch_invariant`
 
 
 SMALL_MODEL_PARAMS = 100_000_000
+#: batch invariance when EngineArgs.batch_invariant is None (see resolve_batch_invariant)
+DEFAULT_BATCH_INVARIANT = False
+
+
+def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device) -> bool:
+    """Whether every row is computed alone (ops/invariant.py): the flag if given, else the default
+    on CPU (the fixed-order paths are CPU paths; other devices keep their batched kernels)."""
+    if batch_invariant is not None:
+        return bool(batch_invariant)
+    return DEFAULT_BATCH_INVARIANT and torch.device(device).type == "cpu"
 
 
 def resolve_threads(threads: int | None, model: torch.nn.Module) -> int | None:

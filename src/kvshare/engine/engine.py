@@ -23,7 +23,7 @@ from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
 from kvshare.engine.args import (EngineArgs, apply_threads, build_layout, checkpoint_budget, pool_blocks,
-                                 resolve_device, resolve_dtype)
+                                 resolve_batch_invariant, resolve_device, resolve_dtype)
 from kvshare.engine.isolation import run_isolated, sample_isolated
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.model.dtypes import weight_bytes
@@ -49,6 +49,7 @@ class LLMEngine:
 
             self.tp, model = start(model, args)
         model = self._load(model, args)
+        model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device)
         self.model = model
         self.threads = apply_threads(args.threads, model)
         self.weight_bytes = weight_bytes(model)  # as stored (bf16 with the fp32 set, or the oracle dtype)

@@ -31,7 +31,7 @@ from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm, rms_normalize_as
 from kvshare.model.quantize import KVQuantizer, QuantMode
-from kvshare.ops import causal_mask, sparse_attention
+from kvshare.ops import causal_mask, invariant, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
 from kvshare.topology import Topology
 
@@ -79,6 +79,8 @@ class Attention(nn.Module):
 
         kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True))
         scale, batch = self.head_dim**-0.5, ctx.batch
+        if invariant.is_on():
+            return self.project_out(self._attend_rows(ctx, x, qr, q, kv, scale), pos, rope)
         comp, comp_valid, per_seq = self._compressed(ctx, x, qr) if self.ratio > 0 else (None, None, True)
         if per_seq:
             # window keys per sequence: the W-1 stored rows before the chunk (the window of each
@@ -102,19 +104,45 @@ class Attention(nn.Module):
         o = rope.rotate(o, pos, inverse=True, inplace=True)  # o: the attention's fresh output
         g = self.n_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
-        u = torch.einsum("tgi,goi->tgo", o.reshape(o.shape[0], g, -1), wo_a).flatten(1)
+        og = o.reshape(o.shape[0], g, -1)
+        if invariant.is_on():  # per group: a row-invariant product of each row with its group's wo_a
+            u = torch.stack([invariant.row_linear(og[:, i], wo_a[i]) for i in range(g)], dim=1).flatten(1)
+        else:
+            u = torch.einsum("tgi,goi->tgo", og, wo_a).flatten(1)
         return self.wo_b(u)
 
-    def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Steps 1-4 of the module doc: (rows, mask, per_seq).
+    def _attend_rows(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
+                     kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Batch-invariant attention [T, H, d]: every query row attends its own gathered keys with a
+        product shape set by the row alone (ops/invariant.py): its W window rows, then its k top-k
+        picks (top-k layers) or its causal compressed entries padded to a length bucket (V4 HCA;
+        rows grouped by bucket). Same maths as `forward`'s paths; only the summation shapes differ."""
+        batch = ctx.batch
+        win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
+        if self.ratio == 0:
+            return sparse_attention(q, win, win_valid, self.attn_sink, scale)
+        topk = self._compress_and_select(ctx, x, qr)
+        seq = ctx.seq_index
+        if topk is not None:
+            rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(topk), topk, batch)
+            keys = torch.cat([win, rows.to(win.dtype)], dim=1)
+            return sparse_attention(q, keys, torch.cat([win_valid, topk >= 0], dim=1), self.attn_sink, scale)
+        n_causal = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
+        bucket = invariant.length_bucket(n_causal)
+        out = q.new_empty(q.shape)
+        for b in torch.unique(bucket).tolist():  # a few buckets per step, never one per row
+            rows_b = torch.nonzero(bucket == b).flatten()
+            j = torch.arange(b, device=q.device).unsqueeze(0).expand(rows_b.numel(), -1)
+            j = j.masked_fill(j >= n_causal[rows_b].unsqueeze(1), -1)
+            comp = ctx.cache.gather_rows("kv", self.layer, seq[rows_b].unsqueeze(1).expand_as(j), j, batch)
+            keys = torch.cat([win[rows_b], comp.to(win.dtype)], dim=1)
+            valid = torch.cat([win_valid[rows_b], j >= 0], dim=1)
+            out[rows_b] = sparse_attention(q[rows_b], keys, valid, self.attn_sink, scale)
+        return out
 
-        per_seq False: rows [T, M, d] gathered per query row (the top-k picks), mask [T, M].
-        per_seq True: rows [N, L, d], every compressed row of each sequence, read once, with
-        mask [T, L] of the rows each query attends: V4 HCA layers (every causal entry), and
-        top-k layers when L <= PER_SEQ_FACTOR * index_topk, where one dense pass over a
-        sequence's rows is cheaper than copying k rows per query (prefill, short contexts).
-        """
+    def _compress_and_select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor | None:
+        """Steps 1-3 of the module doc: compress, index (publish or take the top-k), write the new
+        compressed rows. Returns the top-k picks [T, k] (-1 padded), or None (V4 HCA layers)."""
         plan, batch = self.plan, ctx.batch
         new: Emitted | None = self.compressor(x, ctx, self.layer) if plan.is_kv_source else None
 
@@ -130,7 +158,20 @@ class Attention(nn.Module):
             lat = ctx.rope_compress.rotate(new.latent, new.positions(self.ratio))
             lat = self.quantizer.compressed(lat)
             ctx.cache.write_rows("kv", self.layer, new.seq, new.j, lat, batch)
+        return topk
 
+    def _compressed(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Steps 1-4 of the module doc: (rows, mask, per_seq).
+
+        per_seq False: rows [T, M, d] gathered per query row (the top-k picks), mask [T, M].
+        per_seq True: rows [N, L, d], every compressed row of each sequence, read once, with
+        mask [T, L] of the rows each query attends: V4 HCA layers (every causal entry), and
+        top-k layers when L <= PER_SEQ_FACTOR * index_topk, where one dense pass over a
+        sequence's rows is cheaper than copying k rows per query (prefill, short contexts).
+        """
+        batch = ctx.batch
+        topk = self._compress_and_select(ctx, x, qr)
         n_rows = torch.div(batch.ends, self.ratio, rounding_mode="floor")
         longest = int(n_rows.max()) if n_rows.numel() else 0
         if topk is not None and longest > PER_SEQ_FACTOR * topk.shape[1]:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
+from kvshare.ops import invariant
 from kvshare.precision import wide
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ class Compressor(nn.Module):
             return Emitted(rows, ctx.seq_index, pos, latent)
 
         xf = wide(x)
-        a = F.linear(xf, wide(self.wkv.weight))
-        z = F.linear(xf, wide(self.wgate.weight))
+        a = invariant.linear(xf, wide(self.wkv.weight))
+        z = invariant.linear(xf, wide(self.wgate.weight))
         if hasattr(self, "ape"):
             z = z + wide(self.ape)[pos % self.ratio]
         rows = torch.nonzero((pos + 1) % self.ratio == 0).flatten()

@@ -38,6 +38,7 @@ from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
+from kvshare.ops import invariant
 from kvshare.precision import wide
 from kvshare.runtime import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
@@ -81,7 +82,7 @@ class Block(nn.Module):
         taps = ctx.state.taps if ctx.state is not None else None
         if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
             taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
-        if torch.is_grad_enabled() or not worth_chunking(*h.shape):
+        if torch.is_grad_enabled() or invariant.is_on() or not worth_chunking(*h.shape):
             return self._forward_unchunked(h, pre_prev, ctx, lagged)  # training; small steps (decode)
         return self._forward_chunked(h, pre_prev, ctx, lagged)
 
@@ -134,6 +135,8 @@ class Transformer(nn.Module):
         self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
         self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
         self.tie_log: list[tuple[int, str, int]] | None = None
+        #: every row computed alone (ops/invariant.py): its bits do not depend on the rest of the step
+        self.batch_invariant = False
 
     def set_quant(self, quant: bool | QuantMode) -> None:
         """Switch fake-quantisation for subsequent forwards (all modules share one QuantMode)."""
@@ -151,6 +154,11 @@ class Transformer(nn.Module):
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
         """
+        with invariant.active(self.batch_invariant):
+            return self._forward(input_ids, batch, cache, state)
+
+    def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
+                 state: StepState | None) -> torch.Tensor:
         cfg = self.cfg
         state = state if state is not None else StepState()
         ctx = StepContext(batch, cache, state, input_ids, self.rope_main, self.rope_compress, self.tie_log)

@@ -40,6 +40,7 @@ from kvshare.model.engram_hash import EngramHasher, EngramLayout
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import QuantMode
+from kvshare.ops.invariant import pointwise
 from kvshare.precision import wide
 from kvshare.runtime import StepBatch
 
@@ -82,7 +83,7 @@ class Engram(nn.Module):
         w = wide(self.q_weight) * wide(self.k_weight)
         r = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (x * w * key).sum(-1) * r / math.sqrt(d)
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        gate = pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
         if dead is not None:
             gate = gate.masked_fill(dead.unsqueeze(-1), 0.0)
         return (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(h.dtype)

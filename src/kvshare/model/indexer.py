@@ -31,7 +31,8 @@ from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import (block_scores, boundary_ties, candidate_block_mask, causal_mask, index_scores,
                          select_topk)
-from kvshare.ops.index_scores import candidate_scores
+from kvshare.ops import invariant
+from kvshare.ops.index_scores import candidate_scores, row_index_scores
 from kvshare.precision import wide
 from kvshare.topology import LayerPlan, Topology
 
@@ -87,9 +88,12 @@ class Indexer(nn.Module):
         cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
                      if self.plan.uses_candidates else None)
         cap = self.cfg.candidate_topk_blocks * self.cfg.candidate_block_size
-        if cand_mask is not None and cap < keys.shape[1]:
+        if cand_mask is not None and (cap < keys.shape[1] or invariant.is_on()):
             # only the rows inside the published candidate blocks: cost independent of the context
+            # (and one fixed product shape per row, so a batch-invariant forward always takes it)
             scores = candidate_scores(q, w, keys, ctx.seq_index, cand_mask, cap)
+        elif invariant.is_on():
+            scores = row_index_scores(q, w, keys, ctx.seq_index, compress_len)
         else:
             scores = index_scores(q, w, keys, ctx.seq_index)
         scores = scores.masked_fill(~causal_mask(scores.shape[1], compress_len), float("-inf"))

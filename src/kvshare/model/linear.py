@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.model.quantize import QuantMode, act_quant
+from kvshare.ops import invariant
 from kvshare.precision import version_of
 
 
@@ -71,6 +72,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.is_on():  # a batch-invariant forward: every row alone (ops/invariant.py)
+            return invariant.row_linear(x, self.weight)
         packed = self._packed
         if packed is not None and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
             if self._packed_key == self._key():

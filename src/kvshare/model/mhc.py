@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.model.norm import rms_normalize
+from kvshare.ops.invariant import matmul_t, pointwise
 from kvshare.precision import wide
 
 #: token counts up to which inference Sinkhorn runs through numpy (faster per call on tiny arrays;
@@ -34,14 +35,14 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `hw`: ``wide(h)`` when the caller already has it (one conversion per sublayer, same bits).
     """
     t, hc, _ = h.shape
-    m = rms_normalize((wide(h) if hw is None else hw).reshape(t, -1), rms_eps) @ wide(fn).t()
+    m = matmul_t(rms_normalize((wide(h) if hw is None else hw).reshape(t, -1), rms_eps), wide(fn))
     post, comb = hc_post_comb(m, base, scale, hc, hc_eps, iters)
     return hc_pre_of(m, base, scale, hc, hc_eps), post, comb
 
 
 def hc_pre_of(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, hc_eps: float) -> torch.Tensor:
     """Step 2's pre [T, hc] = sigmoid(m[:, :hc] s0 + b[:hc]) + hc_eps from the mixes m [T, (2 + hc) hc]."""
-    return torch.sigmoid(m[:, :hc] * wide(scale)[0] + wide(base)[:hc]) + hc_eps
+    return pointwise(torch.sigmoid, m[:, :hc] * wide(scale)[0] + wide(base)[:hc]) + hc_eps
 
 
 def hc_post_comb(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, hc_eps: float,
@@ -49,7 +50,7 @@ def hc_post_comb(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: i
     """Steps 2-3's post [T, hc] and Sinkhorn-normalised comb [T, hc, hc] from the mixes m."""
     t = m.shape[0]
     b, s = wide(base), wide(scale)
-    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
+    post = 2 * pointwise(torch.sigmoid, m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     comb = torch.softmax((m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(t, hc, hc), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     if torch.is_grad_enabled() and comb.requires_grad:
@@ -111,8 +112,8 @@ def hc_head_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
                 rms_eps: float, hc_eps: float) -> torch.Tensor:
     """V4 final `pre` [T, hc] = sigmoid(fn . norm(flat h) * scale + base) + hc_eps."""
     t = h.shape[0]
-    m = rms_normalize(h.reshape(t, -1), rms_eps) @ wide(fn).t()
-    return torch.sigmoid(m * wide(scale) + wide(base)) + hc_eps
+    m = matmul_t(rms_normalize(h.reshape(t, -1), rms_eps), wide(fn))
+    return pointwise(torch.sigmoid, m * wide(scale) + wide(base)) + hc_eps
 
 
 def identity_pre(t: int, hc: int, device: torch.device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from kvshare.config import ModelConfig
 from kvshare.model.linear import Linear, QLinear
 from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.ops import stable_topk
+from kvshare.ops.invariant import matmul_t, pointwise
 from kvshare.precision import wide
 
 
@@ -47,7 +48,7 @@ class Expert(nn.Module):
         if self.limit > 0:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(-self.limit, self.limit)
-        hidden = F.silu(gate) * up
+        hidden = pointwise(F.silu, gate) * up
         if weight is not None:
             hidden = (wide(hidden) * weight.unsqueeze(-1)).to(x.dtype)
         return self.w2(hidden)
@@ -69,15 +70,15 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64)."""
         cfg = self.cfg
-        logits = wide(x) @ wide(self.weight).t()
+        logits = matmul_t(wide(x), wide(self.weight))
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
+            scores = pointwise(torch.sigmoid, logits)
         else:
-            scores = F.softplus(logits).sqrt()
+            scores = pointwise(F.softplus, logits).sqrt()
         if self.hash_routed:
             ids = self.tid2eid[input_ids].long()
         else:
@@ -175,5 +176,5 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: f
     if limit > 0:
         gate.clamp_(max=limit)
         up.clamp_(-limit, limit)
-    hidden = F.silu(gate, inplace=True).mul_(up)
+    hidden = pointwise(lambda g: F.silu(g, inplace=True), gate).mul_(up)
     return wide(hidden).mul_(weight.unsqueeze(-1)).to(gate.dtype)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.config import ModelConfig
+from kvshare.ops.invariant import matmul_t
 from kvshare.quant import fake_quant_fp4, fake_quant_fp8, straight_through
 
 
@@ -124,5 +125,5 @@ class KVQuantizer:
             n = x.shape[-1]
             if self._hadamard is None or self._hadamard.device != x.device:
                 self._hadamard = hadamard_matrix(n, x.device)
-            x = (x.float() @ self._hadamard).to(x.dtype)
+            x = matmul_t(x.float(), self._hadamard.t()).to(x.dtype)
         return straight_through(lambda t: fake_quant_fp4(t, self._idx_block, "ue8m0"), x)

@@ -1,0 +1,119 @@
+"""Batch-invariant products: a row's bits depend on that row alone (issue 24).
+
+CPU GEMM libraries pick their kernel, blocking and so the reduction order by the call's shape: the
+same row multiplied by the same weight gives different fp32 bits in calls of 1, 2-9 and >= 16 rows
+(MKL on an AMX Xeon), and bf16 oneDNN differs too at K = 4096. So a token's logits used to depend
+on how many other rows shared its step (batching, chunking, speculative verify rows).
+
+The batch-invariant model routes every product whose reduction crosses a row's own values
+through one of these functions, each of which computes row r from row r's inputs with a call whose
+shape does not depend on the other rows:
+
+* `row_linear(x, w)`: ``x @ w.T`` for x [R, K]. One fixed-order kernel call when the native
+  kernels are present (`kvshare.kernels`: each output accumulated in an order that depends on K
+  only), else one identical [1, K] x [K, N] product per row.
+* `row_bmm(a, b)`: ``torch.bmm`` with one row per batch entry and a per-entry shape fixed by the
+  row itself; torch computes every entry of a batched product with the same per-entry kernel,
+  whatever the batch count (checked in tests/test_batch_invariant.py for the shapes the model uses).
+* `length_bucket(n)`: per-row key counts rounded up to a multiple of `BUCKET`, so rows whose own
+  lengths fall in one bucket share one product shape, and a row's shape never depends on another
+  row's length.
+
+* `pointwise(fn, x)`: torch's vectorised element-wise kernels compute a tensor's last
+  ``numel % (2 x vector width)`` elements in a scalar loop, and its scalar sigmoid, softplus and silu
+  differ from the vector ones in the last bit (measured: 90 / 195 / 85 of 2,000 fp32 values), so a
+  row's gate or mHC weights changed with the number of rows behind it. Padding the flat tensor to a
+  multiple of `VECTOR_PAD` elements sends every element through the vector loop.
+
+Row-wise reductions over a fixed length (norms, softmax over a row, top-k), gathers and correctly
+rounded element-wise ops (+, *, /, sqrt, and exp / rsqrt / log, whose two paths agree) need nothing.
+Single-threaded element-wise kernels are assumed (the engine pins 1 intra-op thread for small
+models; torch splits element-wise work across threads only above 32,768 elements).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+#: rows of keys per length bucket (index scores, V4's every-entry compressed attention)
+BUCKET = 64
+#: element-wise ops see tensors padded to a multiple of this many elements (see `pointwise`)
+VECTOR_PAD = 64
+
+_native_linear = None  # set by `use_native_linear` when the kernel library is importable
+_state = threading.local()  # per thread: tensor-parallel tests run ranks as threads
+
+
+def is_on() -> bool:
+    """Whether the forward running on this thread is batch-invariant (see `active`)."""
+    return getattr(_state, "on", False)
+
+
+@contextmanager
+def active(on: bool) -> Iterator[None]:
+    """Run the enclosed forward batch-invariant (`on`) or not; restores the previous setting."""
+    prev = is_on()
+    _state.on = on
+    try:
+        yield
+    finally:
+        _state.on = prev
+
+
+def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T``: `row_linear` inside a batch-invariant forward, else the plain product (same
+    bits as the model had before the switch existed)."""
+    return row_linear(x, w) if is_on() else x @ w.t()
+
+
+def use_native_linear(fn) -> None:
+    """Install a fixed-order native ``fn(x [R, K], w [N, K]) -> [R, N]`` for `row_linear` (None: fallback)."""
+    global _native_linear
+    _native_linear = fn
+
+
+def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` ([..., K] x [N, K] -> [..., N]) with each row's bits independent of the other rows."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if _native_linear is not None:
+        out = _native_linear(x2, w)
+    elif x2.shape[0] == 1:
+        out = F.linear(x2, w)
+    else:
+        out = torch.cat([F.linear(x2[r:r + 1], w) for r in range(x2.shape[0])]) if x2.shape[0] else \
+            x2.new_empty(0, w.shape[0])
+    return out.reshape(*lead, w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``, through `row_linear` inside a batch-invariant forward."""
+    return row_linear(x, w) if is_on() else F.linear(x, w)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an element-wise `fn`; inside a batch-invariant forward every element takes
+    torch's vector loop (x flattened and padded to a multiple of VECTOR_PAD; see module doc)."""
+    if not is_on():
+        return fn(x)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    pad = -n % VECTOR_PAD
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return fn(flat)[:n].view(x.shape)
+
+
+def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` where entry i is row i's own product (a [R, m, k], b [R, k, n])."""
+    return torch.bmm(a, b)
+
+
+def length_bucket(n: torch.Tensor) -> torch.Tensor:
+    """Per-row lengths rounded up to a multiple of BUCKET (at least BUCKET)."""
+    return torch.clamp(n + (BUCKET - 1), min=BUCKET) // BUCKET * BUCKET
