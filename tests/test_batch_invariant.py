@@ -48,11 +48,12 @@ def test_row_linear_gives_each_row_its_alone_bits(dtype: torch.dtype, n: int, k:
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(max(ROW_COUNTS), k, generator=g).to(dtype)
-    alone = torch.cat([F.linear(x[r:r + 1], w) for r in range(x.shape[0])])
+    alone = torch.cat([invariant.row_linear(x[r:r + 1], w) for r in range(x.shape[0])])
     for m in ROW_COUNTS:
         assert torch.equal(invariant.row_linear(x[:m], w), alone[:m]), m
     exact = (x.double() @ w.double().t())
-    assert (alone.double() - exact).abs().max() <= 0.02 * exact.abs().max()  # the product, not noise
+    # the product, not noise: observed max |alone - exact| / max |exact| 3.5e-3 (bf16 output), 3.4e-7 (fp32)
+    assert (alone.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-6) * exact.abs().max()
 
 
 def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_forward() -> None:

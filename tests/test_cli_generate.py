@@ -28,6 +28,22 @@ def test_generate_subprocess_streams_and_reports() -> None:
     assert "blocks used" in report
 
 
+def test_generate_prints_the_same_text_alone_and_inside_a_batch_of_8(capsys: pytest.CaptureFixture) -> None:
+    """With --batch-invariant a prompt's greedy text does not depend on the 7 others beside it
+    (issue 24). Mutation caught: the engine ignoring batch_invariant (the 8-prompt run differs)."""
+    from kvshare.cli import main
+
+    flags = ["--temperature", "0", "--frequency-penalty", "0", "--max-tokens", "40", "--batch-invariant",
+             "--max-num-batched-tokens", "16", "--quiet"]
+    assert main(["generate", "def ", *flags]) == 0
+    alone = capsys.readouterr().out
+    others = ["import ", "class ", "    for ", "x = [", "# TODO", "return self.", "print("]
+    assert main(["generate", *others[:3], "def ", *others[3:], *flags]) == 0
+    batched = capsys.readouterr().out
+    block = batched.split("--- [3] 'def '\n", 1)[1].split("\n--- [4]", 1)[0]
+    assert block + "\n" == alone and len(alone) > 20
+
+
 def test_generate_rejects_bad_sampling_values(capsys: pytest.CaptureFixture) -> None:
     from kvshare.cli import main
 
@@ -44,10 +60,11 @@ def test_engine_flags_map_to_engine_args() -> None:
                                         "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
                                         "--max-model-len", "300", "--no-share-kv-cache", "--no-quantize",
                                         "--seed", "7", "--dtype", "float32", "--device", "cpu",
-                                        "--kv-format", "bf16"]))
+                                        "--kv-format", "bf16", "--batch-invariant"]))
     assert kw == {"model": "tiny-v41", "gpu_memory_bytes": 2**30, "block_size": 64, "max_num_seqs": 4,
                   "max_num_batched_tokens": 512, "max_model_len": 300, "share_kv_cache": False,
-                  "quantize": False, "seed": 7, "dtype": "float32", "device": "cpu", "kv_format": "bf16"}
+                  "quantize": False, "seed": 7, "dtype": "float32", "device": "cpu", "kv_format": "bf16",
+                  "batch_invariant": True}
     assert engine_args_from(p.parse_args(["--num-blocks", "9"]))["num_blocks"] == 9
     with pytest.raises(SystemExit):
         p.parse_args(["--memory", "1GiB", "--num-blocks", "9"])  # one or the other

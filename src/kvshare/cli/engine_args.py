@@ -25,8 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--random-weights", action="store_true",
                    help="run a config that has no weights (a shipped config name such as tiny-v41, or a "
                         "directory with only config.json) with random weights from a fixed seed; for testing")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="dtype of weights and activations (default: the engine's choice for the device)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                   help="dtype of weights and activations (default: the engine's choice for the device; "
+                        "float64 is the exactness mode, README 'Reproducibility')")
     g.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
     g.add_argument("--block-size", type=positive_int, default=None,

@@ -1,4 +1,7 @@
-"""`kvshare generate "PROMPT"`: stream a completion to the terminal, then report speed and cache use.
+"""`kvshare generate "PROMPT" [PROMPT ...]`: stream a completion to the terminal, then report speed and cache use.
+
+Several prompts run together as one batch (continuous batching, as a server would run them); each
+completion is printed once all are done.
 
 The command drives `LLMEngine.step()` itself, printing each step's new text as soon as the step
 returns. Afterwards it prints (to stderr) prefill and decode tokens/s and the peak KV-cache use
@@ -180,11 +183,35 @@ def _write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
+def generate_batch(engine: Any, prompts: list[str], params: Any) -> tuple[list[Any], float]:
+    """Add every prompt as one request (ids ``generate-i``), step the engine until all finish;
+    (outputs in prompt order, seconds)."""
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"generate-{i}", prompt, params)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[f"generate-{i}"] for i in range(len(prompts))], time.perf_counter() - start
+
+
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `kvshare generate`."""
+    """Entry point of `kvshare generate`: one prompt streams; several run as one batch, each
+    completion printed after a ``--- [i] 'prompt'`` line once all are done."""
     params = sampling_params_from(args)
     engine = build_engine(args)
-    result = stream_request(engine, "generate-0", args.prompt, params, _write_stdout)
+    prompts = list(args.prompt)
+    if len(prompts) > 1:
+        outs, seconds = generate_batch(engine, prompts, params)
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            sys.stdout.write(f"--- [{i}] {prompt!r}\n{out.text}\n")
+        sys.stdout.flush()
+        if not args.quiet:
+            n = sum(len(o.token_ids) for o in outs)
+            print(f"{len(prompts)} prompts, {n} tokens generated in {seconds * 1e3:,.1f} ms "
+                  f"({n / seconds:,.1f} tokens/s overall)", file=sys.stderr)
+        return 0
+    result = stream_request(engine, "generate-0", prompts[0], params, _write_stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not args.quiet:
@@ -194,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `kvshare generate`."""
-    p = subparsers.add_parser("generate", help="generate a completion for one prompt, streamed",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("prompt", help="the prompt text")
+    p = subparsers.add_parser("generate", help="generate a completion for a prompt (streamed), or for several "
+                              "prompts as one batch", description=__doc__.splitlines()[0])
+    p.add_argument("prompt", nargs="+", help="the prompt text; several prompts run together as one batch")
     add_sampling_args(p)
     p.add_argument("--quiet", action="store_true", help="print only the generated text (no speed report)")
     add_engine_args(p)

@@ -40,12 +40,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from kvshare.precision import version_of
+
 #: rows of keys per length bucket (index scores, V4's every-entry compressed attention)
 BUCKET = 64
 #: element-wise ops see tensors padded to a multiple of this many elements (see `pointwise`)
 VECTOR_PAD = 64
 
-_native_linear = None  # set by `use_native_linear` when the kernel library is importable
+_native_linear = None  # a test's override of the native product (see `use_native_linear`)
+_PACKS: dict[tuple, object] = {}  # the kernels' packed copies of the weights row_linear has seen
+_MAX_PACKS = 4096
 _state = threading.local()  # per thread: tensor-parallel tests run ranks as threads
 
 
@@ -72,17 +76,46 @@ def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def use_native_linear(fn) -> None:
-    """Install a fixed-order native ``fn(x [R, K], w [N, K]) -> [R, N]`` for `row_linear` (None: fallback)."""
+    """Override the native ``fn(x [R, K], w [N, K]) -> [R, N]`` of `row_linear` (None: the default)."""
     global _native_linear
     _native_linear = fn
+
+
+def _kernels():
+    """`kvshare.kernels` when its native library serves this machine, else None."""
+    try:
+        from kvshare import kernels
+    except ImportError:
+        return None
+    return kernels if kernels.available() else None
+
+
+def native_pack(w: torch.Tensor):
+    """The kernels' packed copy of weight `w` (made once per weight version), or None where the
+    kernels do not serve it (no native library, a dtype other than bf16 / fp32, not on the CPU)."""
+    k = _kernels()
+    if k is None or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
+        return None
+    key = (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
+    p = _PACKS.get(key)
+    if p is None:
+        if len(_PACKS) >= _MAX_PACKS:
+            _PACKS.clear()
+        p = _PACKS[key] = k.pack(w.detach().contiguous())
+    return p
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` ([..., K] x [N, K] -> [..., N]) with each row's bits independent of the other rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    packed = native_pack(w) if _native_linear is None and x2.dtype == w.dtype else None
     if _native_linear is not None:
         out = _native_linear(x2, w)
+    elif packed is not None:
+        from kvshare import kernels
+
+        out = kernels.linear(x2, packed)
     elif x2.shape[0] == 1:
         out = F.linear(x2, w)
     else:
