@@ -22,7 +22,7 @@ OTHER_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 EXACTNESS_MODULES = (
     "test_llm_exact.py", "test_engine_exact.py", "test_speculative_exact.py", "test_prefix_exact.py",
     "test_prefix_speculative.py", "test_float64_model.py", "test_shipped_dspark.py", "test_shipped_model.py",
-    "test_v41_independent.py", "test_model_batching.py", "test_hf_oracle.py",
+    "test_v41_independent.py", "test_model_batching.py", "test_hf_oracle.py", "test_batch_invariant.py",
 )
 
 
