@@ -119,11 +119,19 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its reply was ready."""
 
 
+def admit(state: ServerState) -> _Slot:
+    """Take a concurrency slot (429 when none is free, 503 while draining); the caller must close it."""
+    return _Slot(state)
+
+
 async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
                    stream: bool, include_usage: bool, logprobs: bool = False,
-                   cache_salt: str | None = None) -> Response:
-    """Run one request through the engine; reply with an SSE stream or one JSON body."""
-    slot = _Slot(state)
+                   cache_salt: str | None = None, slot: _Slot | None = None) -> Response:
+    """Run one request through the engine; reply with an SSE stream or one JSON body.
+
+    `slot` is the request's admission (`admit`), taken here when not given; it is closed when the
+    reply ends, however it ends."""
+    slot = slot or _Slot(state)
     try:
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
         slot.request_id = rid  # from here on, leaving early aborts it (a no-op if it never got in)
