@@ -25,12 +25,13 @@ BODY_BYTES = 4 * 2**20 - 4096
 
 def bad_bodies() -> list[bytes]:
     """Three ~4 MiB bodies of small values: token ids, stop strings, chat messages."""
-    n_ids = BODY_BYTES // 7
+    n_ids = BODY_BYTES // 8
     ids = json.dumps({"prompt": [123456] * n_ids, "max_tokens": 4}).encode()
     stops = json.dumps({"prompt": "hi", "stop": ["ab"] * (BODY_BYTES // 6), "max_tokens": 4}).encode()
     msg = {"role": "user", "content": "a"}
-    msgs = json.dumps({"messages": [msg] * (BODY_BYTES // 33), "max_tokens": 4}).encode()
-    return [b[:BODY_BYTES + 4096] for b in (ids, stops, msgs)]
+    msgs = json.dumps({"messages": [msg] * (BODY_BYTES // 36), "max_tokens": 4}).encode()
+    assert all(len(b) < 4 * 2**20 for b in (ids, stops, msgs))
+    return [ids, stops, msgs]
 
 
 def rss_mb(pid: int) -> float:
