@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -119,3 +121,40 @@ def test_speculation_with_tensor_parallelism_is_refused_before_spawning() -> Non
     with pytest.raises(SetupError, match="--speculative-config cannot be combined"):
         LLMEngine("tiny-v41-dspark", tensor_parallel_size=2,
                   speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+def test_stopped_worker_stops_the_engine_within_the_step_timeout() -> None:
+    """A SIGSTOPped worker (issue 28): rank 0 would wait in the step's collective for ever; with
+    tp_step_timeout=2 the engine stops with a TPWorkerError naming the rank, and no process is left.
+    Observed: refused 2.0-2.3 s after the request. Mutation: the watchdog not entered in `_guard`
+    -> the generate call blocks (the test fails after 60 s and kills the worker to unblock it)."""
+    llm = LLM("tiny-v41", tensor_parallel_size=2, quantize=False, dtype="float32", tp_step_timeout=2.0)
+    worker = llm.engine.tp.procs[0]
+    assert llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].token_ids
+    os.kill(worker.pid, signal.SIGSTOP)
+    result: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+            result.append(None)
+        except BaseException as e:
+            result.append(e)
+
+    t0 = time.monotonic()
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    caller.join(60)
+    if caller.is_alive():  # the watchdog did not fire: unblock rank 0 before failing
+        os.kill(worker.pid, signal.SIGKILL)
+        caller.join(30)
+        pytest.fail("a stopped worker blocked the engine for 60 s")
+    err = result[0]
+    assert isinstance(err, TPWorkerError), err
+    assert re.search(r"rank 1 \(stopped\) made no progress for 2 s.*engine is stopped", str(err)), err
+    waited = time.monotonic() - t0
+    print(f"refused {waited:.2f} s after the request")
+    assert 2.0 <= waited < 10, waited
+    worker.join(5)
+    assert not _alive(worker.pid)
+    assert not mp.active_children()

@@ -149,9 +149,11 @@ class ModelConfig:
             raise ConfigError(f"no config file at {p}", field="<path>", fix="pass a config.json or its directory")
         try:
             raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+            return cls.from_dict(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p} is not valid JSON: {e}", field="<root>") from e
-        return cls.from_dict(raw)
+        except RecursionError:  # json (or the parser after it) recursing into absurd nesting
+            raise ConfigError(f"{p} is nested too deeply to be a model config", field="<root>") from None
 
 
 def load_config(source: str | Path | dict[str, Any] | ModelConfig) -> ModelConfig:

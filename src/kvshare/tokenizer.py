@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from kvshare.errors import CheckpointError
+
 Message = dict[str, str]
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
@@ -178,6 +180,21 @@ class _WindowIncrementalDecoder:
         return full[len(done) :] if len(full) > len(done) else ""
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file); CheckpointError naming the file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: nested too deeply to be a tokenizer or model config") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
 def _token_content(tok: Any) -> str | None:
     """A special token in tokenizer_config.json is a string or a dict with `content`."""
     if isinstance(tok, dict):
@@ -192,14 +209,16 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _RawTokenizer
 
         d = Path(model_dir)
-        self._tok = _RawTokenizer.from_file(str(d / "tokenizer.json"))
-        conf: dict[str, Any] = {}
-        if (d / "tokenizer_config.json").is_file():
-            conf = json.loads((d / "tokenizer_config.json").read_text())
-        model_conf: dict[str, Any] = {}
-        if (d / "config.json").is_file():
-            model_conf = json.loads((d / "config.json").read_text())
-            model_conf = model_conf.get("text_config", model_conf)
+        try:
+            self._tok = _RawTokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # the Rust library raises a bare Exception for any bad file
+            raise CheckpointError(f"{d / 'tokenizer.json'}: not a valid tokenizer file: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        conf = _json_object(d / "tokenizer_config.json")
+        model_conf = _json_object(d / "config.json")
+        model_conf = model_conf.get("text_config", model_conf)
+        if not isinstance(model_conf, dict):
+            raise CheckpointError(f"{d / 'config.json'}: `text_config` must be a JSON object")
         self.bos_token = _token_content(conf.get("bos_token"))
         self.eos_token = _token_content(conf.get("eos_token"))
         self.bos_token_id = self._id_of(self.bos_token, model_conf.get("bos_token_id"))

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from kvshare.cli.arg_types import parse_bytes, positive_int
+from kvshare.cli.arg_types import parse_bytes, positive_float, positive_int
 
 DEFAULT_MODEL = "kvshare-mini-v41"
 
@@ -70,6 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=positive_int, default=None,
                    help="shard the model over N processes on this machine (gloo on CPU, NCCL on CUDA); under "
                         "torchrun, N must equal its process count (default 1)")
+    g.add_argument("--tp-step-timeout", type=positive_float, default=None, metavar="S",
+                   help="with --tensor-parallel-size > 1: a worker that makes no progress for S seconds within "
+                        "a step (stopped, hung) stops the engine like a dead worker (default 60)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op CPU threads (default: 1 for models under 100M parameters, whose ops "
                         "are too small to gain from threads, else torch's default)")
@@ -92,6 +95,7 @@ _ENGINE_KEYS = {
     "engram_table": "engram_table",
     "speculative_config": "speculative_config",
     "tensor_parallel_size": "tensor_parallel_size",
+    "tp_step_timeout": "tp_step_timeout",
     "threads": "threads",
     "enable_prefix_caching": "enable_prefix_caching",
     "batch_invariant": "batch_invariant",

@@ -66,8 +66,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kvshare.server").warning(
             "serving on %s without an API key: anyone who can reach this port can use it "
             "(set --api-key or %s)", args.host, API_KEY_ENV)
+    def fatal() -> bool:  # the engine loop stopped for good (e.g. a lost tensor-parallel worker)
+        return getattr(state.loop.error, "engine_fatal", False)
+
     run_app(app, args.host, args.port, log_level=args.log_level, shutdown_timeout_s=args.shutdown_timeout,
-            on_drain=on_drain)
+            on_drain=on_drain, drained=lambda: state.active == 0, fatal=fatal)
+    error = state.loop.error
+    if error is not None and fatal():
+        raise error  # a KVShareError: one `error:` line, exit code 2
     return 0
 
 

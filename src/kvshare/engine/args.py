@@ -49,6 +49,7 @@ class EngineArgs:
     engram_table: str = "mmap"
     speculative_config: dict | str | None = None  # {"method": "dspark", "num_speculative_tokens": 5}
     tensor_parallel_size: int = 1
+    tp_step_timeout: float = 60.0  # seconds rank 0 waits inside one step before declaring a worker stuck
     threads: int | None = None
     enable_prefix_caching: bool = True
     prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see checkpoint_budget

@@ -6,9 +6,16 @@
   checkpoints (``pytorch_model.bin``...), which kvshare never loads (unpickling runs code).
 * `read_header(file)`: tensor name -> (dtype, shape) from the safetensors header alone (8-byte
   length + JSON), checked for size and consistency; every error names the file.
-* `check_header_shapes(files, cfg, expected)`: the embedding, head, norm and every unquantised
-  released-naming tensor are compared with the config's shapes, and the checkpoint must hold
-  every backbone layer, all before any model or pool memory is allocated.
+* `check_header_shapes(files, num_layers, expected, block)`: every released-naming tensor (and
+  the embedding, head and norm in transformers naming) is compared with the config's shape in
+  its stored form, whatever its dtype: plain and FP8 (F8_E4M3) weights as they are, packed FP4
+  (I8 / U8 / F4) weights with the input dim halved, and each weight's scale (`.scale` /
+  `.weight_scale_inv`, F8_E8M0 or float) with the shape its format needs (FP8: one per (bo x
+  bi) block; FP4: one per 32 inputs). The checkpoint must hold every backbone layer. All of
+  this reads headers only, so a wrong shape is refused before any tensor data is read or any
+  model or pool memory is allocated.
+* Every weight file, the single `model.safetensors` and a lone ``*.safetensors`` included,
+  must resolve inside the model directory (a symlink out is refused).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100 * 2**20
-_PLAIN_DTYPES = {"F64", "F32", "F16", "BF16"}
+_PACKED_FP4_DTYPES = {"I8", "U8", "F4"}
+_FP4_BLOCK = 32  # inputs per scale of an FP4 weight (released checkpoints)
+_SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 # transformers names whose released twin is known without the full mapping
 _HF_TWINS = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
@@ -48,11 +57,13 @@ def refuse_pickle_only(directory: Path) -> None:
                 "transformers (`model.save_pretrained(dir, safe_serialization=True)`) or safetensors")
 
 
-def _inside(directory: Path, name: str, index: Path) -> Path:
+def _inside(directory: Path, name: str, named_by: Path | None = None) -> Path:
     """`directory / name`, unless it resolves (absolute path, ``..``, symlink) outside `directory`."""
     f = directory / name
     if not f.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(f"{index} names shard {name!r}, which resolves outside the model directory")
+        who = f"{named_by} names shard {name!r}, which" if named_by else f"{f}"
+        raise CheckpointError(f"{who} resolves outside the model directory ({f.resolve()}); "
+                              "kvshare reads weights only from inside it")
     return f
 
 
@@ -78,12 +89,12 @@ def weight_files(path: str | Path) -> list[Path]:
                 raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
         return files
     if (p / SINGLE_FILE).is_file():
-        return [p / SINGLE_FILE]
+        return [_inside(p, SINGLE_FILE)]
     files = sorted(p.glob("*.safetensors"))
     if not files:
         refuse_pickle_only(p)
         raise CheckpointError(f"no .safetensors files in {p}")
-    return files
+    return [_inside(p, f.name) for f in files]
 
 
 def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -116,22 +127,75 @@ def read_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def check_header_shapes(files: list[Path], num_layers: int, expected: dict[str, tuple[int, ...]]) -> None:
-    """Compare the checkpoint's header shapes with `expected` (released naming) before allocation."""
+def check_header_shapes(files: list[Path], num_layers: int, expected: dict[str, tuple[int, ...]],
+                        block: tuple[int, int] | None = None) -> None:
+    """Compare the checkpoint's header shapes (every dtype, scales included) with `expected` (released
+    naming) before any tensor data is read. `block`: the FP8 weight block (bo, bi) scales are checked
+    against (None: FP8 scales are not checked)."""
     layers: set[int] = set()
+    headers: dict[str, tuple[str, tuple[int, ...], Path]] = {}
     for f in files:
         for name, (dtype, shape) in read_header(f).items():
             m = _LAYER.match(name)
             if m:
                 layers.add(int(m.group(1)))
             twin = _HF_TWINS.get(name, name)
-            if twin in expected and dtype in _PLAIN_DTYPES and shape != tuple(expected[twin]):
-                raise CheckpointError(f"{f.name}: tensor `{name}` has shape {list(shape)}, but the config "
-                                      f"expects {list(expected[twin])}; the config does not match these weights")
+            headers[twin] = (dtype, shape, f)
+            if twin in expected:
+                want = stored_shape(twin, dtype, tuple(expected[twin]))
+                if shape != want:
+                    raise CheckpointError(f"{f.name}: tensor `{name}` has shape {list(shape)} ({dtype}), but the "
+                                          f"config expects {list(want)}; the config does not match these weights")
+    for name, (dtype, shape, f) in headers.items():
+        owner = _scale_owner(name, headers, expected)
+        if owner is None:
+            continue
+        need = _scale_misfit(headers[owner][0], tuple(expected[owner]), shape, block)
+        if need is not None:
+            raise CheckpointError(f"{f.name}: scale `{name}` ({dtype}) has shape {list(shape)}, but its weight "
+                                  f"`{owner}` ({headers[owner][0]}) needs {need}")
     missing = sorted(set(range(num_layers)) - layers)
     if missing:
         raise CheckpointError(f"the config has {num_layers} layers but the checkpoint has no tensors for layer "
                               f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
+def stored_shape(name: str, dtype: str, logical: tuple[int, ...]) -> tuple[int, ...]:
+    """The header shape of a tensor of `logical` shape stored as `dtype`: packed FP4 halves the last dim
+    (two codes per byte); everything else (plain, FP8, integer tables such as `tid2eid`) is as is."""
+    if dtype in _PACKED_FP4_DTYPES and not name.endswith("tid2eid") and logical and logical[-1] % 2 == 0:
+        return (*logical[:-1], logical[-1] // 2)
+    return logical
+
+
+def _scale_owner(name: str, headers: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> str | None:
+    """The expected weight `name` is the scale of (None: not a scale of a checked weight)."""
+    for suffix in _SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            stem = name[: -len(suffix)]
+            for owner in (stem + ".weight", stem) if suffix == ".scale" else (stem + ".weight",):
+                if owner != name and owner in expected and owner in headers:
+                    return owner
+    return None
+
+
+def _scale_misfit(weight_dtype: str, logical: tuple[int, ...], shape: tuple[int, ...],
+                  block: tuple[int, int] | None) -> str | None:
+    """What scale shape a weight stored as `weight_dtype` needs, when `shape` is not it (else None).
+
+    FP8: one per (bo x bi) block, [..., ceil(out / bo), ceil(in / bi)]. FP4: [..., out, in / k] with k
+    dividing the input dim (32 in released checkpoints; `dequant_fp4_weight` reads k from the shapes)."""
+    if len(logical) < 2:
+        return None
+    *lead, rows, cols = logical
+    if weight_dtype == "F8_E4M3" and block is not None:
+        want = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+        return None if shape == want else str(list(want))
+    if weight_dtype in _PACKED_FP4_DTYPES:
+        fits = shape[:-1] == (*lead, rows) and len(shape) == len(logical) and 0 < shape[-1] <= cols \
+            and cols % shape[-1] == 0
+        return None if fits else f"{[*lead, rows, cols // _FP4_BLOCK]} (one scale per {_FP4_BLOCK} inputs)"
+    return None
 
 
 def describe(e: Exception, f: Any) -> CheckpointError:

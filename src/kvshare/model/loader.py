@@ -367,7 +367,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
             check_random_tables(cfg, str(name_or_path))
         tokenizer = load_tokenizer(str(name_or_path))
     if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
-        check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg))
+        check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg),
+                            _weight_block(cfg))
     model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
     if draft:  # DSpark stages as model.mtp (speculative decoding)
         from kvshare.model.dspark import attach_dspark

@@ -10,6 +10,10 @@ replicated cache (an engine built from the same arguments, whose scheduler it ne
 the slot operations, runs the same forward (the model's collectives pair up with rank 0's) and the
 backend's end-of-step updates. Workers make no decision of their own, so they cannot diverge.
 
+Rank 0 waits inside a step (a send, a forward's collectives) under a `StepWatchdog`: a worker
+that makes no progress (stopped by SIGSTOP, hung in a kernel) would otherwise block rank 0 for
+ever, since between steps workers legitimately wait on rank 0 without a timeout.
+
 Other messages: ``"digest"`` (every rank returns a SHA-256 of its block pool and rings, gathered
 on rank 0, to check the replicas) and ``"stop"`` (workers leave their loop). Messages travel with
 ``dist.broadcast_object_list`` as CPU tensors; each rank moves them to its own device.
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -107,3 +113,59 @@ def worker_loop(engine: Any, size: int) -> None:
         with torch.inference_mode():
             apply_slot_ops(pool, msg.slot_ops)
             runner.forward(msg.input_ids.to(runner.device), moved(msg.batch, runner.device))
+
+
+class StepWatchdog:
+    """Calls `on_stall()` once when a guarded section (``with watchdog:``) lasts over `timeout_s`.
+
+    One daemon thread watches every section of its owner, so entering and leaving cost a lock,
+    not a thread. `on_stall` runs on that thread while the guarded call is still blocked; it must
+    make that call fail (rank 0's handle kills the workers, which fails the pending collective).
+    Invariant: `on_stall` runs at most once; `stalled_s` is the timeout it fired at (else None).
+    """
+
+    def __init__(self, timeout_s: float, on_stall: Callable[[], None]) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"tp_step_timeout must be > 0 seconds, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.on_stall = on_stall
+        self.stalled_s: float | None = None
+        self._deadline: float | None = None
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "StepWatchdog":
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="kvshare-tp-watchdog", daemon=True)
+                self._thread.start()
+            self._deadline = time.monotonic() + self.timeout_s
+            self._cv.notify()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cv:
+            self._deadline = None
+
+    def close(self) -> None:
+        """Stop watching (idempotent)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cv.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                self._deadline = None
+                self.stalled_s = self.timeout_s
+                self._closed = True
+        if self.stalled_s is not None:
+            self.on_stall()

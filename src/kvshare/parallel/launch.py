@@ -9,7 +9,9 @@
 
 Failure: a worker that raises reports its traceback and exits; rank 0's next collective fails and
 `TPHandle` raises `TPWorkerError` naming the rank, then stops the remaining workers (the engine is
-unusable afterwards). A worker whose parent process is gone exits within a second. Workers ignore
+unusable afterwards). A worker that makes no progress for `tp_step_timeout` seconds while rank 0
+waits in a step (SIGSTOP, a hung kernel) is treated the same way: the watchdog kills the spawned
+workers, which fails rank 0's pending collective, and the error names the stopped ranks. A worker whose parent process is gone exits within a second. Workers ignore
 Ctrl-C (the terminal sends it to the whole process group); rank 0 stops them when it exits.
 """
 
@@ -48,12 +50,14 @@ class TPWorkerError(KVShareError, RuntimeError):
 class TPHandle:
     """Rank 0's handle on the group: sends steps, gathers digests, detects failures, stops workers."""
 
-    def __init__(self, group: TPGroup, procs: list[Any], errors: Any) -> None:
+    def __init__(self, group: TPGroup, procs: list[Any], errors: Any, step_timeout_s: float = 60.0) -> None:
         self.group = group
         self.procs = procs
         self.errors = errors
         self.failed: TPWorkerError | None = None
         self.closed = False
+        self.watchdog = control.StepWatchdog(step_timeout_s, self._stalled)
+        self._stopped_ranks: list[int] = []
         self._ops: list[control.SlotOp] = []  # slot resets and prefix restores since the last step
         atexit.register(self.close)
 
@@ -98,7 +102,8 @@ class TPHandle:
         if self.closed:
             raise TPWorkerError("the tensor-parallel group is closed")
         try:
-            return fn(*a)
+            with self.watchdog:
+                return fn(*a)
         except Exception as e:
             self.failed = self._diagnose(e)
             self.close()
@@ -115,8 +120,21 @@ class TPHandle:
         dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.procs)
                 if p.exitcode is not None]
         what = "; ".join(dead) or f"a collective failed ({type(e).__name__}: {e})"
+        if self.watchdog.stalled_s is not None:
+            who = ", ".join(f"rank {r}" for r in self._stopped_ranks) or "a worker"
+            state = " (stopped)" if self._stopped_ranks else ""
+            what = (f"{who}{state} made no progress for {self.watchdog.stalled_s:g} s (--tp-step-timeout); "
+                    "every worker was killed")
         detail = ("\n" + "\n".join(reports)) if reports else ""
         return TPWorkerError(f"tensor-parallel worker failure: {what}; the engine is stopped{detail}")
+
+    def _stalled(self) -> None:
+        """The watchdog fired: note which workers are stopped, then kill every worker, which fails
+        rank 0's pending collective (gloo sees the closed connections)."""
+        self._stopped_ranks = [i + 1 for i, p in enumerate(self.procs) if _process_state(p.pid) == "T"]
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
 
     def digests(self) -> list[str]:
         """SHA-256 of every rank's block pool and rings, in rank order (replicas must agree)."""
@@ -128,6 +146,7 @@ class TPHandle:
         if self.closed:
             return
         self.closed = True
+        self.watchdog.close()
         if self.failed is None:
             try:
                 control.send(control.STOP)
@@ -144,6 +163,15 @@ class TPHandle:
                 p.kill()
                 p.join()
         destroy_group()
+
+
+def _process_state(pid: int | None) -> str | None:
+    """The state letter of process `pid` from /proc (``T``: stopped), None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError, TypeError):
+        return None
 
 
 def _watch_parent() -> None:
@@ -202,7 +230,7 @@ def start(model: Any, args: Any) -> tuple[TPHandle | None, Any]:
             finally:
                 destroy_group()
             sys.exit(0)
-        return TPHandle(group, [], queue.Queue()), load_rank_model(model, args, group)
+        return TPHandle(group, [], queue.Queue(), _step_timeout(args)), load_rank_model(model, args, group)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -218,10 +246,14 @@ def start(model: Any, args: Any) -> tuple[TPHandle | None, Any]:
             p.kill()
             p.join()
         raise
-    handle = TPHandle(group, procs, errors)
+    handle = TPHandle(group, procs, errors, _step_timeout(args))
     try:
         return handle, load_rank_model(model, args, group)
     except BaseException:
         handle.failed = TPWorkerError("rank 0 failed to load its shard")
         handle.close()
         raise
+
+
+def _step_timeout(args: Any) -> float:
+    return float(getattr(args, "tp_step_timeout", None) or 60.0)

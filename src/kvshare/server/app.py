@@ -13,29 +13,29 @@ the engine loop has not advanced for `watchdog_timeout_s` with work pending.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from jinja2.exceptions import TemplateError
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvshare.engine.sampling import SamplingParams
+from kvshare.server.body_parser import BodyParser
 from kvshare.server.engine_loop import EngineLoop
-from kvshare.server.errors import APIError, from_validation_error, internal_error
-from kvshare.server.generation import ServerState, generate
-from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits, parse_json
+from kvshare.server.errors import APIError, internal_error
+from kvshare.server.generation import ServerState, admit, generate
+from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvshare.server.security import AccessPolicy, install
 
 log = logging.getLogger("kvshare.server")
 
-M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -51,6 +51,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     The engine loop thread starts with the app and stops with it.
     """
     limits = limits or RequestLimits()
+    if max_model_len is not None:  # a token-id prompt longer than the context is refused while parsing
+        limits = dataclasses.replace(limits, max_prompt_tokens=min(limits.max_prompt_tokens, max_model_len))
+    parser = BodyParser(limits)
     loop = EngineLoop(engine)
     state = ServerState(loop=loop, tokenizer=tokenizer, model_name=model_name,
                         max_concurrent_requests=max_concurrent_requests, max_model_len=max_model_len,
@@ -65,6 +68,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             yield
         finally:
             loop.stop(timeout=2.0)  # a stuck engine thread (a daemon) must not hold the exit
+            parser.close()
 
     app = FastAPI(title="kvshare", lifespan=lifespan)
     app.state.kvshare = state
@@ -94,32 +98,43 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @app.post("/v1/completions")
     @_guarded(state)
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, limits)
-        _check_model(state, req.model)
-        prompt = req.prompt
-        n_prompt = len(prompt) if isinstance(prompt, list) else await _count_tokens(state, prompt)
-        if isinstance(prompt, list):
-            _check_ids(state, prompt)
-        params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
-        return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage,
-                              req.wants_logprobs, req.cache_salt)
+        slot = admit(state)  # the concurrency limit comes before any decoding
+        try:
+            req = await parser.parse(await request.body(), CompletionRequest)
+            _check_model(state, req.model)
+            prompt = req.prompt
+            n_prompt = len(prompt) if isinstance(prompt, list) else await _count_tokens(state, prompt)
+            if isinstance(prompt, list):
+                _check_ids(state, prompt)
+            params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
+            return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage,
+                                  req.wants_logprobs, req.cache_salt, slot=slot)
+        except BaseException:
+            slot.close()
+            raise
 
     @app.post("/v1/chat/completions")
     @_guarded(state)
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, limits)
-        _check_model(state, req.model)
+        slot = admit(state)  # the concurrency limit comes before any decoding
         try:
-            conversation = req.conversation()
-            render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True)
-            big = sum(len(m["content"]) for m in conversation) > OFF_LOOP_BYTES
-            prompt_ids = list(await asyncio.to_thread(render) if big else render())
-        except (ValueError, TemplateError) as e:  # e.g. a template's raise_exception on role order
-            raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
-        return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
-                              req.wants_logprobs, req.cache_salt)
+            req = await parser.parse(await request.body(), ChatCompletionRequest)
+            _check_model(state, req.model)
+            try:
+                conversation = req.conversation()
+                chars = sum(len(m["content"]) for m in conversation)
+                _check_chars(state, chars, "messages")
+                render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True)
+                prompt_ids = list(await asyncio.to_thread(render) if chars > OFF_LOOP_BYTES else render())
+            except (ValueError, TemplateError) as e:  # e.g. a template's raise_exception on role order
+                raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
+            return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
+                                  req.wants_logprobs, req.cache_salt, slot=slot)
+        except BaseException:
+            slot.close()
+            raise
 
     return app
 
@@ -166,34 +181,20 @@ def _guarded(state: ServerState) -> Callable[[Handler], Handler]:
     return wrap
 
 
-async def _parse(request: Request, model: type[M], limits: RequestLimits) -> M:
-    """The JSON body validated as `model`; 400 on malformed JSON or invalid fields.
-
-    Bodies over OFF_LOOP_BYTES are decoded and validated on a worker thread."""
-    raw = await request.body()
-
-    def decode() -> M:
-        data = parse_json(raw, limits.max_json_depth)
-        if not isinstance(data, dict):
-            raise APIError(400, "the JSON body must be an object", code="invalid_json")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise from_validation_error(e) from e
-
-    return await asyncio.to_thread(decode) if len(raw) > OFF_LOOP_BYTES else decode()
-
-
 async def _count_tokens(state: ServerState, prompt: str) -> int:
     """Tokens of a text prompt; 400 before tokenising when it cannot fit the context anyway."""
-    limit = state.max_model_len
-    if limit is not None and len(prompt) > limit * MAX_CHARS_PER_TOKEN:
-        raise APIError(400, f"the prompt has {len(prompt)} characters, far more than this model's context of "
-                            f"{limit} tokens holds; shorten the prompt", param="prompt",
-                       code="context_length_exceeded")
+    _check_chars(state, len(prompt), "prompt")
     encode = functools.partial(state.tokenizer.encode, prompt, add_bos=True)
     ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_BYTES else encode()
     return len(ids)
+
+
+def _check_chars(state: ServerState, chars: int, param: str) -> None:
+    """400 before tokenising a text that cannot fit the context anyway."""
+    limit = state.max_model_len
+    if limit is not None and chars > limit * MAX_CHARS_PER_TOKEN:
+        raise APIError(400, f"the {param} text has {chars} characters, far more than this model's context of "
+                            f"{limit} tokens holds; shorten it", param=param, code="context_length_exceeded")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:

@@ -10,7 +10,10 @@ Failure isolation: `add_request` errors go back to the one handler that asked. A
 fails alone inside a step (the engine reports finish_reason "error") gets a `RequestFailed` on
 its queue; the others go on. If `step()` itself raises, the requests that were in flight get the
 exception (each handler reports a 500), are aborted so their blocks are freed, and the loop
-carries on with new requests.
+carries on with new requests — unless the exception is marked `engine_fatal` (a lost or stuck
+tensor-parallel worker): then the engine is unusable, so the loop fails every request, stops
+(`error` holds the exception, /health reports 503) and calls `on_fatal(error)`, with which
+`kvshare serve` shuts the server down and exits with that error.
 
 Watchdog: `progress_at` is the monotonic time the loop last finished a step or idled; `stalled(s)`
 says whether work is pending and the loop has not advanced for `s` seconds (an engine stuck in
@@ -25,7 +28,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvshare.server.metrics import ServerMetrics
 
@@ -54,8 +57,10 @@ class EngineLoop:
     engine and will get no more outputs.
     """
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
         self.metrics = metrics or ServerMetrics()
         self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -133,9 +138,14 @@ class EngineLoop:
                 self.progress_at = time.monotonic()
             self._close(RuntimeError("the server is shutting down"))
         except BaseException as e:  # the loop must never die silently
-            log.exception("engine loop crashed")
+            if getattr(e, "engine_fatal", False):
+                log.error("the engine cannot go on: %s", e)
+            else:
+                log.exception("engine loop crashed")
             self.error = e
             self._close(e)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
 
     def _close(self, e: BaseException) -> None:
         """Fail the requests in flight and refuse the adds still queued."""
@@ -205,6 +215,8 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            if getattr(e, "engine_fatal", False):
+                raise  # `_run` fails every request and stops the loop
             log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
             self._fail_all(e)
             self._refresh_stats()

@@ -8,7 +8,9 @@ aborted, which frees its cache blocks.
 Shutdown: `ServerState.begin_drain(timeout_s)` refuses new requests with a 503 and lets those in
 flight finish; at the deadline each one still open gets a `ShuttingDown` on its queue, so a
 stream ends with a final error event and ``data: [DONE]`` and a whole reply gets a 503 — even
-when the engine thread is stuck, since the queues live on the event loop.
+when the engine thread is stuck, since the queues live on the event loop. A request still
+waiting for the engine thread to take it in (`adding`: the thread is stuck in a step) gets the
+same 503.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ServerState:
     active: int = 0
     draining: bool = False
     queues: dict[str, asyncio.Queue] = field(default_factory=dict)  # open requests' output queues
+    adding: dict[str, asyncio.Future] = field(default_factory=dict)  # requests the engine has not taken yet
     event_loop: asyncio.AbstractEventLoop | None = None
 
     def begin_drain(self, timeout_s: float) -> None:
@@ -65,6 +68,8 @@ class ServerState:
             queue.put_nowait(ShuttingDown(f"the server is shutting down; the request did not finish within "
                                           f"the {timeout_s:g} s drain limit"))
             self.loop.abort(rid)
+        for adding in list(self.adding.values()):
+            adding.cancel()  # `generate` turns this into the 503
 
 
 class ShuttingDown(RuntimeError):
@@ -119,20 +124,30 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its reply was ready."""
 
 
+def admit(state: ServerState) -> _Slot:
+    """Take a concurrency slot (429 when none is free, 503 while draining); the caller must close it."""
+    return _Slot(state)
+
+
 async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
                    stream: bool, include_usage: bool, logprobs: bool = False,
-                   cache_salt: str | None = None) -> Response:
-    """Run one request through the engine; reply with an SSE stream or one JSON body."""
-    slot = _Slot(state)
+                   cache_salt: str | None = None, slot: _Slot | None = None) -> Response:
+    """Run one request through the engine; reply with an SSE stream or one JSON body.
+
+    `slot` is the request's admission (`admit`), taken here when not given; it is closed when the
+    reply ends, however it ends."""
+    slot = slot or _Slot(state)
     try:
         rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
         slot.request_id = rid  # from here on, leaving early aborts it (a no-op if it never got in)
         try:
-            queue = await state.loop.add(rid, prompt, params, cache_salt)
+            queue = await _add(state, rid, prompt, params, cache_salt)
         except RequestError as e:
             named = re.search(r"invalid sampling params: (\w+)", str(e))
             param = named.group(1) if named else "prompt" if kind == "completion" else "messages"
             raise APIError(400, str(e), param=param, code="invalid_request") from e
+        except APIError:
+            raise
         except Exception as e:
             log.exception("adding request %s failed", rid)
             raise internal_error(e) from e
@@ -153,6 +168,23 @@ async def generate(state: ServerState, request: Request, kind: str, prompt: str 
     finally:
         if not stream:
             slot.close()
+
+
+async def _add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
+               cache_salt: str | None) -> asyncio.Queue:
+    """`state.loop.add(...)`, which `ServerState.expire` can end with a 503 while the engine is stuck."""
+    adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt))
+    state.adding[rid] = adding
+    try:
+        return await adding
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if adding.cancelled() and state.draining and not (task is not None and task.cancelling()):
+            raise APIError(503, "the server is shutting down; the engine did not take the request in before "
+                                "the drain limit", code="shutting_down") from None
+        raise
+    finally:
+        state.adding.pop(rid, None)
 
 
 def _failure(e: BaseException) -> APIError:

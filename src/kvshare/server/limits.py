@@ -30,6 +30,12 @@ class RequestLimits:
 
     max_body_bytes: int = 4 * 2**20
     max_json_depth: int = 32
+    max_array_items: int = 8192  # any array but a token-id prompt (messages, content parts, ...)
+    max_prompt_tokens: int = 2**20  # token ids in a prompt; `create_app` lowers it to the model's context
+    max_object_keys: int = 1024
+    max_json_nodes: int = 2**17  # objects, arrays, strings and keys in one body
+    max_stop_chars: int = 1024  # characters of one stop sequence
+    parse_timeout_s: float = 10.0  # a body the parse worker has not decoded by then is refused
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
@@ -104,45 +110,99 @@ def _too_large(limit: int) -> Any:
                     code="request_too_large").response()
 
 
-def parse_json(raw: bytes, max_depth: int) -> Any:
-    """Decode `raw`; APIError 400 on malformed JSON, nesting past `max_depth`, or invalid Unicode."""
+def parse_json(raw: bytes, limits: RequestLimits) -> Any:
+    """Decode `raw` and check its structure; APIError 400 on malformed JSON or a limit passed."""
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise APIError(400, f"the JSON body is nested deeper than {max_depth} levels", code="invalid_json") from None
+        raise APIError(400, f"the JSON body is nested deeper than {limits.max_json_depth} levels",
+                       code="invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
-    check_tree(data, max_depth)
+    check_structure(data, limits)
     return data
 
 
-def check_tree(data: Any, max_depth: int) -> None:
-    """Walk the decoded JSON (iteratively): depth <= `max_depth`, every string encodable as UTF-8."""
-    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+_SCALARS = frozenset({int, float, bool, type(None)})
+_PROMPT_IDS = (("prompt",), ("prompt", 0))  # where token-id lists may be as long as the context
+
+
+def check_structure(data: Any, limits: RequestLimits) -> None:
+    """Check a decoded body against `limits` before any model validation sees it.
+
+    Invariants on success: nesting <= max_json_depth; every array <= max_array_items elements
+    (a token-id `prompt` <= max_prompt_tokens); every object <= max_object_keys keys; at most
+    max_json_nodes containers, strings and keys in all; `stop` <= MAX_STOP_STRINGS strings of
+    <= max_stop_chars characters; every string encodable as UTF-8. An array is refused on its
+    length alone, before its elements are visited, and an array of numbers is classified in C
+    (`map(type, ...)`), so the cost is bounded by max_json_nodes, not by the body's size.
+    """
+    budget = limits.max_json_nodes
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 1, ())]
     while stack:
         value, depth, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > max_depth:
-            raise APIError(400, f"the JSON body is nested deeper than {max_depth} levels (at {path or 'top'})",
-                           param=path or None, code="invalid_json")
+        if depth > limits.max_json_depth:
+            raise _limit(f"the JSON body is nested deeper than {limits.max_json_depth} levels", path,
+                         code="invalid_json")
+        budget -= 1
         if isinstance(value, dict):
+            if len(value) > limits.max_object_keys:
+                raise _limit(f"an object has {len(value)} keys (at most {limits.max_object_keys})", path)
+            budget -= len(value)
+            if budget < 0:
+                raise _limit(f"the JSON body has more than {limits.max_json_nodes} objects, arrays and strings",
+                             path)
             for k, v in value.items():
                 _check_text(k, path)
-                stack.append((v, depth + 1, f"{path}.{k}" if path else k))
-        else:
-            stack.extend((v, depth + 1, f"{path}.{i}") for i, v in enumerate(value))
+                if isinstance(v, str):
+                    _check_text(v, path + (k,))
+                elif isinstance(v, (dict, list)):
+                    stack.append((v, depth + 1, path + (k,)))
+            if not path and "stop" in value:
+                _check_stop(value["stop"], limits)
+            continue
+        # a list
+        cap = limits.max_prompt_tokens if path in _PROMPT_IDS else limits.max_array_items
+        if len(value) > cap:
+            raise _limit(f"an array has {len(value)} elements (at most {cap})", path)
+        kinds = set(map(type, value))
+        if kinds <= _SCALARS:
+            continue  # numbers, booleans, nulls: nothing inside to check
+        budget -= len(value)
+        if budget < 0:
+            raise _limit(f"the JSON body has more than {limits.max_json_nodes} objects, arrays and strings", path)
+        if str in kinds and not "".join(v for v in value if type(v) is str).isascii():
+            for i, v in enumerate(value):
+                if type(v) is str:
+                    _check_text(v, path + (i,))
+        if dict in kinds or list in kinds:
+            stack.extend((v, depth + 1, path + (i,)) for i, v in enumerate(value) if type(v) in (dict, list))
 
 
-def _check_text(s: str, path: str) -> None:
+MAX_STOP_STRINGS = 4  # OpenAI's limit; protocol refuses more too, this refuses before validation
+
+
+def _check_stop(stop: Any, limits: RequestLimits) -> None:
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _limit(f"at most {MAX_STOP_STRINGS} stop sequences (got {len(stops)})", ("stop",))
+    for s in stops:
+        if isinstance(s, str) and len(s) > limits.max_stop_chars:
+            raise _limit(f"a stop sequence has {len(s)} characters (at most {limits.max_stop_chars})", ("stop",))
+
+
+def _limit(message: str, path: tuple[Any, ...], code: str = "invalid_value") -> APIError:
+    where = ".".join(str(p) for p in path)
+    return APIError(400, f"{message} (at {where or 'top'})", param=where or None, code=code)
+
+
+def _check_text(s: str, path: tuple[Any, ...]) -> None:
     if s.isascii():
         return
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
+        where = ".".join(str(p) for p in path)
         bad = s[e.start:e.end].encode("unicode_escape").decode()
-        raise APIError(400, f"{path or 'body'}: text is not valid Unicode (lone surrogate {bad})",
-                       param=path or None, code="invalid_value") from None
+        raise APIError(400, f"{where or 'body'}: text is not valid Unicode (lone surrogate {bad})",
+                       param=where or None, code="invalid_value") from None
