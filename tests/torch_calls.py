@@ -4,19 +4,22 @@ A *host sync* is a call whose result the host must wait for on an accelerator: r
 value into Python (``item``, ``tolist``, ``bool(t)``, ``int(t)``, ``float(t)``, ``t.__index__``),
 comparing contents (``torch.equal``), and ops whose output shape depends on the data (``nonzero``,
 ``argwhere``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
-``output_size``, indexing or assigning with a boolean mask). Every other call that reaches
-``__torch_function__`` (ops, methods, attribute reads such as ``.shape``) counts as a torch call.
+``output_size``, indexing or assigning with a boolean mask). ``numpy()`` is not one: it exists
+only for CPU tensors, so code calling it is a CPU-only branch (mHC's Sinkhorn on the CPU).
+Every call that reaches ``__torch_function__`` (ops, methods, attribute reads such as ``.shape``)
+counts as a torch call. Each sync is also counted by the kvshare module that made it (``sites``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal", "numpy"}
+_VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal"}
 _DATA_SHAPED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"}
 
 
@@ -46,6 +49,7 @@ class CallCounter(TorchFunctionMode):
         self.syncs = 0
         self.sync_names: Counter[str] = Counter()
         self.names: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()  # kvshare module (e.g. "model/moe.py") -> host syncs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -55,4 +59,16 @@ class CallCounter(TorchFunctionMode):
         if is_host_sync(name, args, kwargs):
             self.syncs += 1
             self.sync_names[name] += 1
+            self.sites[_caller()] += 1
         return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The kvshare module (path under kvshare/) of the innermost kvshare frame on the stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename.replace("\\", "/")
+        if "/kvshare/" in path and "/site-packages/torch/" not in path:
+            return path.rsplit("/kvshare/", 1)[1]
+        f = f.f_back
+    return "?"
