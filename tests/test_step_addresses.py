@@ -104,3 +104,33 @@ def test_a_batch_without_host_lists_reads_them_once() -> None:
     bare = StepBatch(b.positions, b.seq_index, b.cu_seqlens, b.starts, b.lens, b.slots, b.block_tables)
     assert bare.host_lists() == (STARTS, LENS, SLOTS)
     assert bare.addresses().groups(2).j.tolist() == b.addresses().groups(2).j.tolist()
+
+
+@pytest.mark.parametrize("by_sequence", [None, True, False])
+def test_ops_with_host_rows_give_the_bits_of_the_device_derived_path(by_sequence: bool | None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefix_attention and index_scores told the row layout by the addresses (no host reads)
+    return exactly what they return when they derive it from seq_index themselves; the mixed
+    case (a long chunk next to short ones) splits the step the same way."""
+    import kvshare.ops.prefix_attention as pa
+    from kvshare.ops.index_scores import index_scores
+
+    monkeypatch.setattr(pa, "BY_SEQUENCE_MIN_ROWS", 5)
+    b = _batch()
+    addr = b.addresses()
+    g = torch.Generator().manual_seed(0)
+    t, n, h, d, p_len, length = b.num_tokens, b.num_seqs, 3, 8, 3, 6
+    q = torch.randn(t, h, d, generator=g)
+    win = torch.randn(n, p_len + addr.max_len, d, generator=g)
+    comp = torch.randn(n, length, d, generator=g)
+    comp_mask = torch.rand(t, length, generator=g) < 0.6
+    sink = torch.randn(h, generator=g)
+    args = (q, win, b.starts, comp, comp_mask, b.seq_index, addr.rank, sink, 0.3)
+    want = pa.prefix_attention(*args, block=2, by_sequence=by_sequence)
+    got = pa.prefix_attention(*args, block=2, by_sequence=by_sequence, rows=addr.rows_layout())
+    assert torch.equal(got, want)
+    w = torch.randn(t, h, generator=g)
+    keys = torch.randn(n, length, d, generator=g)
+    for budget in (1 << 25, h * length * n):  # one block of rows; blocks of one row (sequences drop out)
+        assert torch.equal(index_scores(q, w, keys, b.seq_index, budget, rows=addr.rows_layout()),
+                           index_scores(q, w, keys, b.seq_index, budget))
