@@ -127,8 +127,6 @@ class StepAddresses:
         self._ends = self._starts + self._lens
         self.first = batch.cu_seqlens[:-1]  # each sequence's first token row
         self.rank = self._tensor(np.arange(self.num_tokens, dtype=np.int64) - self._cu[:-1][self._seq])
-        # rows laid out as [N, max_len] without padding (every chunk equally long)
-        self.equal_lens = bool(self.num_seqs) and min(lens) == self.max_len
         self._memo: dict[tuple, object] = {}
 
     def rows_layout(self) -> SeqRows:
