@@ -78,3 +78,18 @@ def test_snapshot_restore_round_trip_into_another_slot(packed: bool) -> None:
 def test_a_ring_shorter_than_its_depth_is_refused() -> None:
     with pytest.raises(ValueError, match="rows >= depth"):
         Ring(torch.zeros(2, 3, 4), None, 4, 4)
+
+
+def test_writing_several_rings_at_once_stores_the_bytes_of_separate_writes() -> None:
+    from kvshare.cache.rings import write_all
+
+    batch = StepBatch.build([3, 0], [2, 6], [1, 2])
+    w = batch.addresses().ring_write(6)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 32, generator=g) for _ in range(3)]
+    together, apart = [_ring(True) for _ in range(3)], [_ring(True) for _ in range(3)]
+    write_all(together, w, values)
+    for ring, v in zip(apart, values):
+        ring.write(w, v)
+    assert all(torch.equal(a.data, b.data) for a, b in zip(together, apart))
+    assert all(int(a.data.count_nonzero()) > 0 for a in together)

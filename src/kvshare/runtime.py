@@ -71,6 +71,10 @@ class StepBatch:
             self.host = (self.starts.tolist(), self.lens.tolist(), self.slots.tolist())
         return self.host
 
+    def __getstate__(self) -> dict:
+        """Pickled without its addresses (tensor parallelism sends batches; a receiver builds its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_addresses"}
+
     def addresses(self) -> "StepAddresses":
         """This step's `StepAddresses`, built on first use and kept with the batch (a batch moved
         to another device by ``dataclasses.replace`` builds its own)."""

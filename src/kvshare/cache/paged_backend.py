@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.cache.pool import BlockPool
-from kvshare.cache.rings import Ring
+from kvshare.cache.rings import Ring, write_all
 from kvshare.cache.step_reads import StepReadCache
 from kvshare.runtime import StepBatch
 from kvshare.step_addresses import StepAddresses, compressed_row_address
@@ -45,12 +45,22 @@ class PagedBackend:
     # ---- step boundaries -------------------------------------------------------------------------
     def begin_step(self, addresses: StepAddresses, capture=None) -> None:  # noqa: ANN001
         """Bind this step's addresses (and a prefix checkpoint capture, if any); a step still open
-        is ended first."""
+        is ended first. The addresses every step uses (ring updates, completed groups, prefix
+        widths and paged addresses per ratio) are built now, before the layers; reads whose rows
+        depend on the attention path a layer takes are built by their first reader."""
         if self._addr is not None:
             self.end_step()
         self._addr = addresses
         if capture is not None:
             self.capture = capture
+        tables = addresses.batch.block_tables
+        for r in self.pool.topo.ratios_in_use:
+            groups, prefix = addresses.groups(r), addresses.prefix(r)
+            if tables is not None:
+                addresses.compressed_address(groups, tables, self.block_size)
+                addresses.block_span(prefix, tables, self.block_size)
+        for rows in sorted({t.shape[1] for t in self.pool.rings.values()}):
+            addresses.ring_write(rows)
 
     def _bound(self, batch: StepBatch) -> StepAddresses:
         """The step's addresses; a call with another batch than the bound one starts its step."""
@@ -61,11 +71,15 @@ class PagedBackend:
         return addr
 
     def end_step(self) -> None:
-        """Apply the deferred ring updates of the current step."""
+        """Apply the deferred ring updates of the current step (rings of one encoding and row count,
+        e.g. every backbone window, packed together)."""
         addr = self._addr
+        same: dict[tuple, list[tuple[Ring, torch.Tensor]]] = {}
         for ring, values in self._pending:
+            same.setdefault((ring.fmt, ring.rows, ring.data.dtype), []).append((ring, values))
+        for (_, rows, _), items in same.items():
             assert addr is not None
-            ring.write(addr.ring_write(ring.rows), values)
+            write_all([r for r, _ in items], addr.ring_write(rows), [v for _, v in items])
         self._pending.clear()
         self._pending_keys.clear()
         self._reads.clear()

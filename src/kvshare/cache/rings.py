@@ -35,10 +35,7 @@ class Ring:
         self.fmt = fmt
         self.depth = depth
         self.width = width  # values per row (the unpacked width)
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[1])
+        self.rows = int(data.shape[1])  # depth + slack
 
     def address(self, positions: torch.Tensor) -> torch.Tensor:
         """Ring row of each position (``positions mod rows``)."""
@@ -82,6 +79,10 @@ class Ring:
         """Store the step's kept rows (``values[write.tokens]``) at their ring rows."""
         self.data[write.slot, write.ring_row] = self.pack(values[write.tokens])
 
+    def store(self, write: RingWrite, stored: torch.Tensor) -> None:
+        """Store rows already in the ring's encoding (``pack`` of the kept rows) at their ring rows."""
+        self.data[write.slot, write.ring_row] = stored
+
     def put(self, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Store values[e] as position positions[e] of slot slots[e] (distinct rows per slot)."""
         self.data[slots, self.address(positions)] = self.pack(values)
@@ -101,3 +102,16 @@ class Ring:
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the given slots' rows (a recycled slot starts empty)."""
         self.data.index_fill_(0, slots.to(self.data.device), 0)
+
+
+def write_all(rings: list[Ring], write: RingWrite, values: list[torch.Tensor]) -> None:
+    """``rings[i].write(write, values[i])`` for rings of one encoding and row count (one step's
+    window rings): the kept rows of all of them are packed in one call (packing is per row, so
+    the stored bytes are those of separate writes)."""
+    if len(rings) == 1 or len({(v.shape, v.dtype) for v in values}) != 1:
+        for ring, v in zip(rings, values):
+            ring.write(write, v)
+        return
+    packed = rings[0].pack(torch.stack(values)[:, write.tokens])
+    for i, ring in enumerate(rings):
+        ring.store(write, packed[i])
