@@ -209,3 +209,31 @@ def test_plain_formats_do_not_need_the_packed_defaults_to_fit() -> None:
     assert lay.kv_format.row_bytes == 104 * 4
     with pytest.raises(ConfigError):
         CacheLayout(topo)  # negative control: the packed default does not fit these dims
+
+
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41", "deepseek-v4-flash"])
+@pytest.mark.parametrize("sb", [4, 8])
+def test_compressor_ring_bytes_follow_the_state_dtype(name: str, sb: int) -> None:
+    """A compressor ring row holds `width` values of `state_dtype_bytes` each, for the kv and the
+    score tensor: hand count from the config (coff = 2 only for V4 ratio 4). With 8-byte states
+    (the float64 oracle) a layout that sized rows as width * 4 would plan half the bytes the pool
+    allocates (mutant "width*4 instead of width*sb": caught by both asserts)."""
+    import torch
+
+    from kvshare.cache.pool import BlockPool
+
+    cfg = load_config(name)
+    topo = Topology(cfg)
+    lay = CacheLayout(topo, 128, state_dtype_bytes=sb)
+    comp = [s for s in lay.states if s.name != "window"]
+    assert comp
+    for s in comp:
+        ratio = topo[s.layer].ratio
+        coff = 2 if cfg.arch == "v4" and ratio == 4 else 1
+        dim = cfg.head_dim if s.name == "compressor" else cfg.index_head_dim
+        assert (s.rows, s.width, s.row_bytes, s.nbytes) == (coff * ratio, coff * dim, coff * dim * sb,
+                                                           2 * coff * ratio * coff * dim * sb)
+    if cfg.num_hidden_layers <= 8:  # allocate only the tiny models
+        pool = BlockPool(lay, num_blocks=2, num_slots=3, dtype=torch.float64 if sb == 8 else torch.float32)
+        assert pool.ring_bytes == 3 * lay.state_bytes_per_seq
+        assert {r.element_size() for k, r in pool.rings.items() if k[0] != "window"} == {sb}

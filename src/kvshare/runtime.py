@@ -15,9 +15,15 @@ order. It is created per step, never global, and readers assert that what they n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
+
+from kvshare.step_addresses import StepAddresses
+
+if TYPE_CHECKING:
+    from kvshare.cache.rings import Ring
 
 
 @dataclass
@@ -43,6 +49,8 @@ class StepBatch:
     block_tables: torch.Tensor | None = None  # [N, max_blocks] int64, 0 = null block
     logit_rows: torch.Tensor | None = None  # [R] int64
     prev_tokens: torch.Tensor | None = None  # [N, K] int64
+    # (starts, lens, slots) as host ints when known (``build``): addresses need no device read
+    host: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +63,26 @@ class StepBatch:
     @property
     def ends(self) -> torch.Tensor:
         return self.starts + self.lens
+
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(starts, lens, slots) as Python ints: ``host`` when the batch was built from host lists,
+        else read from the tensors once (one device read per step, outside the layers)."""
+        if self.host is None:
+            self.host = (self.starts.tolist(), self.lens.tolist(), self.slots.tolist())
+        return self.host
+
+    def __getstate__(self) -> dict:
+        """Pickled without its addresses (tensor parallelism sends batches; a receiver builds its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_addresses"}
+
+    def addresses(self) -> "StepAddresses":
+        """This step's `StepAddresses`, built on first use and kept with the batch (a batch moved
+        to another device by ``dataclasses.replace`` builds its own)."""
+        addr = self.__dict__.get("_addresses")
+        if addr is None or addr.batch is not self:
+            addr = StepAddresses(self)
+            self.__dict__["_addresses"] = addr
+        return addr
 
     @classmethod
     def build(
@@ -75,12 +103,13 @@ class StepBatch:
         if len(starts) != len(lens) or not lens or min(lens) <= 0:
             raise ValueError("every sequence in a step needs a chunk of at least one token")
         n = len(lens)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-        starts_t = torch.tensor(starts, dtype=torch.int64, device=device)
-        cu = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        cu[1:] = torch.cumsum(lens_t, 0)
-        seq_index = torch.repeat_interleave(torch.arange(n, device=device), lens_t)
-        positions = torch.arange(int(cu[-1]), device=device) - cu[:-1][seq_index] + starts_t[seq_index]
+        lens_h = np.asarray(lens, dtype=np.int64)
+        cu_h = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens_h, out=cu_h[1:])
+        seq_h = np.repeat(np.arange(n, dtype=np.int64), lens_h)
+        pos_h = np.arange(int(cu_h[-1]), dtype=np.int64) - cu_h[:-1][seq_h] + np.asarray(starts, dtype=np.int64)[seq_h]
+        flat = torch.from_numpy(np.concatenate([pos_h, seq_h, cu_h, np.asarray(starts, dtype=np.int64), lens_h]))
+        positions, seq_index, cu, starts_t, lens_t = flat.to(device).split([len(pos_h), len(pos_h), n + 1, n, n])
         slots_t = torch.tensor(slots if slots is not None else list(range(n)), dtype=torch.int64, device=device)
         lr = None
         if logit_rows is not None:
@@ -96,7 +125,8 @@ class StepBatch:
                                      f"(expected {min(k, starts[i])})")
             prev = torch.tensor([[0] * (k - len(p)) + list(p) for p in prev_tokens], dtype=torch.int64,
                                 device=device).reshape(n, k)
-        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr, prev)
+        host = (list(starts), list(lens), list(slots) if slots is not None else list(range(n)))
+        return cls(positions, seq_index, cu, starts_t, lens_t, slots_t, block_tables, lr, prev, host)
 
 
 @dataclass
@@ -136,12 +166,20 @@ class StepState:
 class CacheBackend(Protocol):
     """Storage the model reads and writes during a step. All tensors are on the model's device.
 
+    Step boundaries: ``begin_step(addresses, capture=None)`` binds the step's `StepAddresses`
+    (``batch.addresses()``, built once per step; a backend called with a batch whose addresses it
+    has not bound binds them itself) and, for prefix caching, a ``cache.checkpoint.BoundaryCapture``
+    (also settable as the ``capture`` attribute); ``end_step()`` applies what the step deferred
+    (ring updates) and drops the step's reads. Every address a read or write needs comes from the
+    bound addresses, so no method reads a device value on the host when the model asks with the
+    addresses' own tensors.
+
     History rings (``history``) serve the sliding window and the compressor states: for each
     requested token row they return the stored rows of positions ``t - depth + 1 .. t`` of that
     token's sequence (from previous steps and from this step's own rows), with a validity mask
-    (False for positions < 0). After the call the backend keeps, per sequence, the last `depth`
+    (False for positions < 0). After the step the backend keeps, per sequence, the last `depth`
     positions, so the next step sees them. `name` separates rings of one layer ("window",
-    "compressor", "indexer_compressor").
+    "compressor", "indexer_compressor"). The ring arithmetic is `cache.rings.Ring`'s.
 
     Compressed rows (``write_rows`` / ``gather_rows`` / ``gather_prefix``) serve the compressed KV
     ("kv") and index keys ("index_k") of an owner layer, addressed by (sequence, compressed
@@ -150,7 +188,21 @@ class CacheBackend(Protocol):
     `CacheWriteError` if L writes none; ``gather_*(kind, L)`` read the one region L reads (its
     source's when sharing, its own copy when not). The model never names regions or cache modes.
     Gathers never index with -1: masked entries come back as zeros.
+
+    ``draft_window(layer, width, dtype)`` is the `Ring` of a DSpark draft stage's context window
+    (`model/dspark_window.py` reads and writes it; nothing else reaches into the storage).
     """
+
+    capture: object | None  # the step's BoundaryCapture (paged backend; None: no checkpoint taken)
+
+    def begin_step(self, addresses: StepAddresses, capture: object | None = None) -> None:
+        ...
+
+    def end_step(self) -> None:
+        ...
+
+    def draft_window(self, layer: int, width: int, dtype: torch.dtype) -> Ring:
+        ...
 
     def history(
         self,

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from kvshare.step_addresses import compressed_row_address  # noqa: F401  (the address rule, re-exported)
+
 NULL_BLOCK = 0
 
 
@@ -215,24 +217,3 @@ class BlockManager:
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def compressed_row_address(
-    block_tables: torch.Tensor, seq: torch.Tensor, j: torch.Tensor, ratio: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Physical (block, row) of compressed row j of sequence seq, plus a validity mask.
-
-    ``seq`` broadcasts against ``j``. Entries with ``j < 0`` (or past the table) are invalid and
-    are addressed at (null block 0, row 0) so that they index nothing live; callers mask them.
-    """
-    valid = j >= 0
-    jj = torch.where(valid, j, torch.zeros_like(j))
-    pos = jj * ratio
-    logical = pos // block_size
-    valid = valid & (logical < block_tables.shape[1])
-    logical = torch.where(valid, logical, torch.zeros_like(logical))
-    seq_b, _ = torch.broadcast_tensors(seq, jj)
-    block = block_tables[seq_b, logical]
-    block = torch.where(valid, block, torch.zeros_like(block))
-    row = torch.where(valid, (pos % block_size) // ratio, torch.zeros_like(pos))
-    return block, row, valid

@@ -15,17 +15,17 @@ ring it takes, for every target (sequence i of the batch, boundary H inside this
 rows positions ``[H - k, H)`` will hold once the step's ring update is applied: earlier positions
 from the pre-step ring, this step's from its values, packed exactly as the ring update packs them.
 ``restore`` writes a checkpoint's rows into a fresh slot's rings, so the slot holds bitwise what a
-cold run holds after H tokens (rows no later read touches stay zero). Position q lives in ring row
-``q mod rows``, rows being the ring tensor's (at least the depth the model reads).
+cold run holds after H tokens (rows no later read touches stay zero). The ring arithmetic (position
+q -> row ``q mod rows``, the stored encoding) is `cache.rings.Ring`'s: ``snapshot`` / ``pack`` take
+the rows, ``restore`` writes them back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvshare.cache.formats import RowFormat
 from kvshare.cache.layout import CacheLayout
-from kvshare.cache.paged_backend import _pack  # the ring update's own packing, so captured rows match it
+from kvshare.cache.rings import Ring
 
 COMPRESSOR_RINGS = ("compressor", "indexer_compressor")
 
@@ -44,9 +44,7 @@ def checkpoint_bytes_by_ring(layout: CacheLayout, draft: bool = False) -> dict[s
     for s in layout.states:
         if s.layer >= layout.topo.num_layers and not draft:
             continue
-        # the depth a read spans: ring rows less the speculative slack rows (a window reads W rows)
-        depth = layout.cfg.sliding_window if s.name == "window" else s.rows - getattr(layout, "state_slack", 0)
-        k = boundary_rows(s.name, depth, layout.topo[s.layer].ratio)
+        k = boundary_rows(s.name, s.depth, layout.topo[s.layer].ratio)  # depth: rows less the slack
         out[s.name] = out.get(s.name, 0) + s.tensors * k * s.row_bytes
     return out
 
@@ -69,34 +67,31 @@ class BoundaryCapture:
         self.ratio_of = ratio_of
         self.rings: dict[tuple[str, int], tuple[int, int, torch.Tensor]] = {}
 
-    def take(self, name: str, layer: int, ring: torch.Tensor, fmt: RowFormat | None, values: torch.Tensor,
-             depth: int, batch) -> None:
-        """Record ring (name, layer) at the targets' boundaries; `ring` is the pre-step ring."""
+    def take(self, name: str, layer: int, ring: Ring, values: torch.Tensor, batch) -> None:  # noqa: ANN001
+        """Record ring (name, layer) at the targets' boundaries; `ring` still holds the pre-step rows."""
         if (name, layer) in self.rings:
             return
+        depth = ring.depth
         k = boundary_rows(name, depth, self.ratio_of.get(layer, 0))
         c = self.seqs.numel()
-        q = self.bounds[:, None] - k + torch.arange(k, device=ring.device)[None, :]  # [C, k]
+        q = self.bounds[:, None] - k + torch.arange(k, device=ring.data.device)[None, :]  # [C, k]
         start = batch.starts[self.seqs][:, None]
-        slot = batch.slots[self.seqs][:, None].expand_as(q)
-        old = ring[slot, q.remainder(ring.shape[1])]  # position q lives in row q mod the ring's rows
+        old = ring.snapshot(batch.slots[self.seqs][:, None], q)
         t_all = values.shape[0]
         step_row = (batch.cu_seqlens[self.seqs][:, None] + q - start).clamp(0, max(t_all - 1, 0))
-        new = _pack(fmt, values[step_row.reshape(-1)]).to(ring.dtype).reshape(c, k, ring.shape[-1])
+        new = ring.pack(values[step_row.reshape(-1)]).reshape(c, k, old.shape[-1])
         rows = torch.where((q >= start)[..., None], new, old).masked_fill((q < 0)[..., None], 0)
-        self.rings[(name, layer)] = (depth, values.shape[-1], rows)
+        self.rings[(name, layer)] = (depth, ring.width, rows)
 
     def rows_of(self, c: int) -> dict[tuple[str, int], tuple[int, int, torch.Tensor]]:
         """Target c's rows of every ring, as a checkpoint's ``rings`` (cloned, so the step's tensors can go)."""
         return {key: (d, w, r[c].clone()) for key, (d, w, r) in self.rings.items()}
 
 
-def restore(pool, slot: int, boundary: int, rings: dict[tuple[str, int], tuple[int, int, torch.Tensor]]) -> None:
+def restore(pool, slot: int, boundary: int, rings: dict[tuple[str, int], tuple[int, int, torch.Tensor]]) -> None:  # noqa: ANN001
     """Write checkpoint rows (positions ``[boundary - k, boundary)``) into `slot`'s rings."""
     for (name, layer), (depth, width, rows) in rings.items():
-        ring, _ = pool.ring(name, layer, depth, width)
+        ring = pool.ring(name, layer, depth, width)
         k = rows.shape[0]
-        if k == 0:
-            continue
-        q = torch.arange(boundary - k, boundary, device=ring.device)
-        ring[slot, q.remainder(ring.shape[1])] = rows.to(ring.device)
+        if k:
+            ring.restore(slot, torch.arange(boundary - k, boundary), rows)

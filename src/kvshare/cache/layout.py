@@ -58,9 +58,18 @@ class Region:
         return self.offset + self.nbytes_padded
 
 
+def overlap_factor(arch: str, ratio: int) -> int:
+    """coff: 2 for V4's overlapping ratio-4 compressors (each entry pools two groups of tokens with
+    2x-wide projections), else 1. The one definition: the layout sizes rings with it and the
+    model builds its compressors from it."""
+    return 2 if arch == "v4" and ratio == 4 else 1
+
+
 @dataclass(frozen=True)
 class StateSpec:
-    """One per-sequence ring: `tensors` tensors (1 window; 2 = kv and score) of `rows` x `row_bytes`."""
+    """One per-sequence ring: `tensors` tensors (1 window; 2 = kv and score) of `rows` x `row_bytes`.
+
+    ``rows = depth + slack``: a read spans `depth` positions; `slack` rows serve speculation."""
 
     layer: int
     name: str  # "window" | "compressor" | "indexer_compressor"
@@ -68,6 +77,11 @@ class StateSpec:
     width: int  # values per row (per tensor)
     row_bytes: int
     tensors: int
+    slack: int = 0
+
+    @property
+    def depth(self) -> int:
+        return self.rows - self.slack
 
     @property
     def nbytes(self) -> int:
@@ -191,16 +205,17 @@ class CacheLayout:
         w = self.window_format
         for p in self.topo.layers:  # draft windows get context rows only: drafts never write them
             slack = 0 if p.is_draft else self.window_slack
-            out.append(StateSpec(p.layer, "window", cfg.sliding_window + slack, w.dim, w.row_bytes, 1))
+            out.append(StateSpec(p.layer, "window", cfg.sliding_window + slack, w.dim, w.row_bytes, 1, slack))
+        slack = self.state_slack
         for p in self.topo.layers:
-            coff = 2 if (cfg.arch == "v4" and p.ratio == 4) else 1
+            coff = overlap_factor(cfg.arch, p.ratio)
             if p.needs_compressor_state:
                 width = coff * cfg.head_dim
-                out.append(StateSpec(p.layer, "compressor", coff * p.ratio + self.state_slack, width, width * sb, 2))
+                out.append(StateSpec(p.layer, "compressor", coff * p.ratio + slack, width, width * sb, 2, slack))
             if p.needs_indexer_state:
                 width = coff * cfg.index_head_dim
-                out.append(StateSpec(p.layer, "indexer_compressor", coff * p.ratio + self.state_slack, width,
-                                     width * sb, 2))
+                out.append(StateSpec(p.layer, "indexer_compressor", coff * p.ratio + slack, width,
+                                     width * sb, 2, slack))
         return tuple(out)
 
     def state_bytes(self, name: str | None = None, *, backbone_only: bool = False) -> int:

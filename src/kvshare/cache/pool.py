@@ -11,9 +11,10 @@ is the view layer L reads (when sharing, the owner's view object itself, so ``po
 pool.kv_view(owner)``; unshared, L's own copy) and ``write_views(kind, L)`` the views the rows
 computed by L go to (raises CacheWriteError for a layer that writes none). Both are dict lookups.
 
-Per request slot (outside the blocks), allocated at construction from ``layout.states``: a
-sliding-window ring per layer (window row format, W rows) and an fp32 ring per compressor /
-indexer-compressor state ([slots, rows, tensors * width]: the kv and score halves side by side).
+Per request slot (outside the blocks), allocated at construction from ``layout.states``, each a
+`cache.rings.Ring` (``ring(name, layer)``): a sliding-window ring per layer (window row format,
+W + slack rows) and an fp32 ring per compressor / indexer-compressor state ([slots, rows, tensors *
+width]: the kv and score halves side by side). ``rings`` maps the same keys to the bare tensors.
 ``ring_bytes`` therefore equals ``num_slots * layout.state_bytes_per_seq`` from the start.
 
 Invariants: block 0 is the null block (addressed only by padding and masked entries); regions are
@@ -26,6 +27,7 @@ import torch
 
 from kvshare.cache.formats import RowFormat
 from kvshare.cache.layout import CacheLayout
+from kvshare.cache.rings import Ring
 
 
 class BlockPool:
@@ -58,19 +60,21 @@ class BlockPool:
                     self._reads[(kind, lr.layer)] = self._region_views[(kind, read)]
                 if writes:
                     self._writes[(kind, lr.layer)] = tuple(self._region_views[(kind, o)] for o in writes)
-        self.rings: dict[tuple[str, int], torch.Tensor] = {}
-        self.ring_formats: dict[tuple[str, int], RowFormat | None] = {}
+        self.rings: dict[tuple[str, int], torch.Tensor] = {}  # the ring tensors (digests, accounting)
+        self._rings: dict[tuple[str, int], Ring] = {}
         state_dtype = {4: torch.float32, 8: torch.float64}[layout.state_dtype_bytes]
         w = layout.window_format
         for s in layout.states:
             key = (s.name, s.layer)
+            fmt: RowFormat | None
             if s.name == "window":
-                self.rings[key] = torch.zeros(num_slots, s.rows, w.row_bytes, dtype=torch.uint8, device=self.device)
-                self.ring_formats[key] = w
+                data = torch.zeros(num_slots, s.rows, w.row_bytes, dtype=torch.uint8, device=self.device)
+                fmt, width = w, w.dim
             else:
-                self.rings[key] = torch.zeros(num_slots, s.rows, s.tensors * s.width, dtype=state_dtype,
-                                              device=self.device)
-                self.ring_formats[key] = None
+                data = torch.zeros(num_slots, s.rows, s.tensors * s.width, dtype=state_dtype, device=self.device)
+                fmt, width = None, s.tensors * s.width
+            self.rings[key] = data
+            self._rings[key] = Ring(data, fmt, s.depth, width)
 
     # ---- views ---------------------------------------------------------------------------------
     def read_view(self, kind: str, layer: int) -> torch.Tensor:
@@ -103,25 +107,22 @@ class BlockPool:
         return self.topo[layer].ratio
 
     # ---- per-slot rings --------------------------------------------------------------------------
-    def ring(self, name: str, layer: int, depth: int, width: int) -> tuple[torch.Tensor, RowFormat | None]:
+    def ring(self, name: str, layer: int, depth: int | None = None, width: int | None = None) -> Ring:
         """The ring (name, layer) planned by the layout: window rings hold packed rows, state rings fp32
-        (or the layout's state dtype). ``rows >= depth``: the layout's slack rows (speculation) come on top."""
-        key = (name, layer)
-        r = self.rings.get(key)
+        (or the layout's state dtype). Checks that it spans `depth` positions of `width` values."""
+        r = self._rings.get((name, layer))
         if r is None:
             raise KeyError(f"layer {layer} has no {name!r} ring in this cache layout (the layout plans "
                            f"{sorted(k for k in self.rings if k[1] == layer)})")
-        fmt = self.ring_formats[key]
-        cols = fmt.dim if fmt is not None else r.shape[2]
-        if r.shape[1] < depth or cols != width:
-            raise ValueError(f"ring {name!r} of layer {layer} holds [{r.shape[1]}, {cols}] rows, "
+        if (depth is not None and r.rows < depth) or (width is not None and r.width != width):
+            raise ValueError(f"ring {name!r} of layer {layer} holds [{r.rows}, {r.width}] rows, "
                              f"asked for [{depth}, {width}]")
-        return r, fmt
+        return r
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zero every ring of the given slots (a recycled slot starts empty)."""
-        for r in self.rings.values():
-            r.index_fill_(0, slots.to(r.device), 0)
+        for r in self._rings.values():
+            r.reset(slots)
 
     # ---- accounting ------------------------------------------------------------------------------
     @property

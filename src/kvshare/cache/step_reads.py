@@ -4,8 +4,10 @@ When layers share a region (a kv source's compressed rows read by its Reuse laye
 owner's keys scored by several index sources), they ask the backend for the same rows of the same
 view in the same step. The first read gathers and unpacks them; later reads with the same request
 get the same tensor back. Entries are keyed by the view object (so with sharing off every layer
-reads its own copy and nothing is shared), the kind of read, and the request tensors themselves
-(the same index tensor object, or equal contents, and equal sequences / block tables).
+reads its own copy and nothing is shared), the kind of read, and the request tensors themselves,
+by identity: the model asks every reader of a region with the same tensor objects (one top-k of
+the index source, one `n_rows` of the step's addresses, one block table), so no contents are
+compared and the lookup never reads a device value on the host.
 
 Invariants: a write to a view drops that view's entries (`invalidate`); the backend clears the
 cache at every step boundary; entries above `max_bytes` in total are not kept (prefill gathers of
@@ -39,14 +41,10 @@ class StepReadCache:
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a is b or (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)))
-
     def get(self, view: torch.Tensor, kind: str, key: torch.Tensor, aux: torch.Tensor) -> torch.Tensor | None:
         """The cached rows for this request, or None."""
         for e in self._entries:
-            if e.view is view and e.kind == kind and self._same(e.key, key) and self._same(e.aux, aux):
+            if e.view is view and e.kind == kind and e.key is key and e.aux is aux:
                 self.hits += 1
                 return e.value
         self.misses += 1

@@ -1,9 +1,10 @@
 """ModelRunner: scheduled chunks -> StepBatch -> model forward -> logits of the sampling rows.
 
 Per step it builds the flat token ids, the ragged StepBatch (positions, seq_index, cu_seqlens,
-chunk starts/lengths), the request slots and the block tables (one gather from the block manager's
-per-slot table), calls ``model.forward(input_ids, batch, backend)`` and returns the logits of the
-last token of every chunk that samples, in chunk order.
+chunk starts/lengths, and the same as host ints), the request slots and the block tables (one
+gather from the block manager's per-slot table), the step's `StepAddresses` (bound to the backend
+with ``begin_step``), calls ``model.forward(input_ids, batch, backend)``, then ``end_step``, and
+returns the logits of the last token of every chunk that samples, in chunk order.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """One model forward over the cache, then the backend's end-of-step updates; the model's logits."""
+        """One model forward over the cache, then the backend's end-of-step updates; the model's logits.
+
+        The step's `StepAddresses` are built here, once, before the layers (``batch.addresses()``)
+        and bound to the backend; the layers and the backend only look them up."""
+        self.backend.begin_step(batch.addresses())
         try:
             return self.model(input_ids, batch, self.backend)
         finally:
-            end = getattr(self.backend, "end_step", None)
-            if end is not None:
-                end()  # deferred ring updates, inside inference mode like the rings themselves
+            self.backend.end_step()  # deferred ring updates, inside inference mode like the rings themselves
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:

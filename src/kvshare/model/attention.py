@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
@@ -31,7 +32,7 @@ from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm, rms_normalize_as
 from kvshare.model.quantize import KVQuantizer, QuantMode
-from kvshare.ops import causal_mask, invariant, sparse_attention
+from kvshare.ops import invariant, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
 from kvshare.topology import Topology
 
@@ -60,9 +61,8 @@ class Attention(nn.Module):
         self.wo_b = QLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, mode, blk)
         self.attn_sink = nn.Parameter(torch.zeros(h))
         if plan.is_kv_source:
-            v4 = cfg.arch == "v4"
             self.compressor = Compressor(cfg.hidden_size, d, plan.ratio, cfg.rms_norm_eps,
-                                         overlap=v4 and plan.ratio == 4, ape=v4)
+                                         overlap=overlap_factor(cfg.arch, plan.ratio) == 2, ape=cfg.arch == "v4")
         if plan.is_index_source:
             self.indexer = Indexer(cfg, topo, plan, mode, quantizer)
 
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         q = rope.rotate(q, pos, inplace=owned)
 
         kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True))
-        scale, batch = self.head_dim**-0.5, ctx.batch
+        scale, batch, addr = self.head_dim**-0.5, ctx.batch, ctx.addr
         if invariant.is_on():
             return self.project_out(self._attend_rows(ctx, x, qr, q, kv, scale), pos, rope)
         comp, comp_valid, per_seq = self._compressed(ctx, x, qr) if self.ratio > 0 else (None, None, True)
@@ -86,12 +86,10 @@ class Attention(nn.Module):
             # window keys per sequence: the W-1 stored rows before the chunk (the window of each
             # sequence's first row, minus that row), then the chunk's own rows
             depth = self.cfg.sliding_window
-            first = batch.cu_seqlens[:-1]
-            hist, _ = ctx.cache.history("window", self.layer, kv, depth, batch, first)
-            rank = torch.arange(t, device=x.device) - batch.cu_seqlens[ctx.seq_index]
-            keys = window_keys(hist[:, :depth - 1], kv, ctx.seq_index, rank, int(batch.lens.max()))
-            o = prefix_attention(q, keys, batch.starts, comp, comp_valid, ctx.seq_index, rank,
-                                 self.attn_sink, scale)
+            hist, _ = ctx.cache.history("window", self.layer, kv, depth, batch, addr.first)
+            keys = window_keys(hist[:, :depth - 1], kv, ctx.seq_index, addr.rank, addr.max_len)
+            o = prefix_attention(q, keys, batch.starts, comp, comp_valid, ctx.seq_index, addr.rank,
+                                 self.attn_sink, scale, rows=addr.rows_layout())
         else:
             win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
             win = torch.cat([win, comp.to(win.dtype)], dim=1)
@@ -154,8 +152,8 @@ class Attention(nn.Module):
         elif plan.index_source is not None:
             topk = ctx.state.topk_of(plan.index_source, self.layer)
 
-        if new is not None and new.j.numel():
-            lat = ctx.rope_compress.rotate(new.latent, new.positions(self.ratio))
+        if new is not None and new.count:
+            lat = ctx.rope_compress.rotate(new.latent, new.positions)
             lat = self.quantizer.compressed(lat)
             ctx.cache.write_rows("kv", self.layer, new.seq, new.j, lat, batch)
         return topk
@@ -172,14 +170,11 @@ class Attention(nn.Module):
         """
         batch = ctx.batch
         topk = self._compress_and_select(ctx, x, qr)
-        n_rows = torch.div(batch.ends, self.ratio, rounding_mode="floor")
-        longest = int(n_rows.max()) if n_rows.numel() else 0
-        if topk is not None and longest > PER_SEQ_FACTOR * topk.shape[1]:
-            seq = ctx.seq_index.unsqueeze(1).expand_as(topk)
-            return ctx.cache.gather_rows("kv", self.layer, seq, topk, batch), topk >= 0, False
-        rows, valid = ctx.cache.gather_prefix("kv", self.layer, n_rows, batch)
+        pre = ctx.addr.prefix(self.ratio)  # host width: the choice below reads nothing from the device
+        if topk is not None and pre.width > PER_SEQ_FACTOR * topk.shape[1]:
+            return ctx.cache.gather_rows("kv", self.layer, ctx.seq_index, topk, batch), topk >= 0, False
+        rows, valid = ctx.cache.gather_prefix("kv", self.layer, pre.n_rows, batch)
         if topk is not None:
             return rows, picks_to_mask(topk, rows.shape[1]), True
         # V4 HCA: every causal compressed entry.
-        compress_len = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
-        return rows, valid[ctx.seq_index] & causal_mask(rows.shape[1], compress_len), True
+        return rows, valid[ctx.seq_index] & pre.causal, True

@@ -29,6 +29,7 @@ from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant
 from kvshare.precision import wide
+from kvshare.step_addresses import Groups
 
 if TYPE_CHECKING:
     from kvshare.model.context import StepContext
@@ -36,16 +37,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class Emitted:
-    """Entries completed in this step. Invariant: all tensors share the leading size E (may be 0)."""
+    """Entries completed in this step: the step's `Groups` of this ratio (token rows, sequence,
+    entry index j, RoPE position j * ratio, host count) and their latents [E, d]."""
 
-    rows: torch.Tensor  # [E] token rows whose token completed the group
-    seq: torch.Tensor  # [E] sequence index within the batch
-    j: torch.Tensor  # [E] compressed entry index
+    groups: Groups
     latent: torch.Tensor  # [E, d] pre-RoPE, normalised
 
-    def positions(self, ratio: int) -> torch.Tensor:
-        """RoPE position of each entry: its group's first token."""
-        return self.j * ratio
+    @property
+    def seq(self) -> torch.Tensor:
+        return self.groups.seq
+
+    @property
+    def j(self) -> torch.Tensor:
+        return self.groups.j
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """RoPE position of each entry: its group's first token (one tensor per step and ratio)."""
+        return self.groups.positions
+
+    @property
+    def count(self) -> int:
+        return self.groups.count
 
 
 class Compressor(nn.Module):
@@ -53,6 +66,8 @@ class Compressor(nn.Module):
 
     def __init__(self, hidden: int, dim: int, ratio: int, eps: float, *, overlap: bool, ape: bool,
                  name: str = "compressor") -> None:
+        """`overlap`: entries pool two groups (the model asks ``cache.layout.overlap_factor``,
+        the one place that decides which compressors overlap)."""
         super().__init__()
         self.ratio = ratio
         self.dim = dim
@@ -72,28 +87,26 @@ class Compressor(nn.Module):
         return self.coff * self.ratio
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", layer: int) -> Emitted:
-        pos = ctx.positions
+        addr = ctx.batch.addresses()
+        groups = addr.groups(self.ratio)
         if self.ratio == 1:
-            latent = self.norm(self.wkv(x))
-            rows = torch.arange(x.shape[0], device=x.device)
-            return Emitted(rows, ctx.seq_index, pos, latent)
+            return Emitted(groups, self.norm(self.wkv(x)))
 
         xf = wide(x)
         a = invariant.linear(xf, wide(self.wkv.weight))
         z = invariant.linear(xf, wide(self.wgate.weight))
         if hasattr(self, "ape"):
-            z = z + wide(self.ape)[pos % self.ratio]
-        rows = torch.nonzero((pos + 1) % self.ratio == 0).flatten()
-        hist, valid = ctx.cache.history(self.name, layer, torch.cat([a, z], dim=-1), self.depth, ctx.batch, rows)
+            z = z + wide(self.ape)[addr.phase(self.ratio)]
+        hist, valid = ctx.cache.history(self.name, layer, torch.cat([a, z], dim=-1), self.depth, ctx.batch,
+                                        groups.rows)
         w = self.coff * self.dim
         kv, score = hist[..., :w], hist[..., w:]
         if self.overlap:
             r, d = self.ratio, self.dim
             kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
             score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
-        if not bool(valid.all()):  # positions before 0 (a prompt's first groups) take no weight
+        if groups.min_pos < self.depth - 1:  # positions before 0 (a prompt's first groups) take no weight
             score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
             kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
         pooled = (torch.softmax(score, dim=1) * kv).sum(dim=1)
-        latent = self.norm(pooled.to(x.dtype))
-        return Emitted(rows, ctx.seq_index[rows], (pos[rows] + 1) // self.ratio - 1, latent)
+        return Emitted(groups, self.norm(pooled.to(x.dtype)))

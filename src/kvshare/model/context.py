@@ -8,6 +8,7 @@ import torch
 
 from kvshare.model.rope import RotaryEmbedding
 from kvshare.runtime import CacheBackend, StepBatch, StepState
+from kvshare.step_addresses import StepAddresses
 
 
 @dataclass
@@ -17,7 +18,9 @@ class StepContext:
     Invariants: ``positions`` and ``seq_index`` are ``batch.positions`` / ``batch.seq_index``;
     ``state`` is fresh for this step; ``ties`` (when not None) collects ``(layer, kind, rows)``
     for every top-k whose boundary was an exact tie (kind "index" or "candidates");
-    ``engram_ids`` [T, n_engram_layers, cols] are this step's Engram row ids (None without Engram).
+    ``engram_ids`` [T, n_engram_layers, cols] are this step's Engram row ids (None without Engram);
+    ``addr`` is ``batch.addresses()``: every index the layers need, derived once per step (layers
+    read it instead of deriving indices from device values, so the layer loop has no host sync).
     """
 
     batch: StepBatch
@@ -28,6 +31,10 @@ class StepContext:
     rope_compress: RotaryEmbedding
     ties: list[tuple[int, str, int]] | None = field(default=None)
     engram_ids: torch.Tensor | None = field(default=None)
+    addr: StepAddresses = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.addr = self.batch.addresses()
 
     @property
     def positions(self) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Storage, allocated lazily on first use:
 
-* history rings ``(name, layer) -> [num_slots, depth, w]``: position p of a slot lives in row
-  ``p % depth``; the dtype is that of the first values stored (fp32 for compressor states);
+* history rings ``(name, layer) -> [num_slots, depth, w]`` (`cache.rings.Ring`, tensors also in
+  ``rings``): position p of a slot lives in row ``p % depth``; the dtype is that of the first
+  values stored (fp32 for compressor states); DSpark draft windows likewise (``draft_window``);
 * compressed rows ``(kind, owner) -> [num_slots, max_len // ratio(owner), w]`` in `dtype`
   ("kv": post-RoPE latents, "index_k": index keys), addressed by (slot, compressed index), one
   table per region of the cache's `RegionMap` (``regions``; shared unless ``share_cache=False``
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.cache.regions import RegionMap
+from kvshare.cache.rings import Ring
 from kvshare.config import ModelConfig
 from kvshare.runtime import StepBatch
 from kvshare.topology import Topology
@@ -40,33 +42,40 @@ class DenseCache:
         self.regions = RegionMap(topo, topo.share_cache if share_cache is None else share_cache)
         self.num_slots, self.max_len = num_slots, max_len
         self.dtype, self.device = dtype, torch.device(device)
-        self.rings: dict[tuple[str, int], torch.Tensor] = {}
+        self.rings: dict[tuple[str, int], torch.Tensor] = {}  # the ring tensors of `_rings`
+        self._rings: dict[tuple[str, int], Ring] = {}
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        self.capture = None  # no prefix checkpoints over a dense cache
 
-    # ---- history rings -------------------------------------------------------------------
+    # ---- rings ------------------------------------------------------------------------------
+    def _ring(self, name: str, layer: int, depth: int, width: int, dtype: torch.dtype) -> Ring:
+        key = (name, layer)
+        ring = self._rings.get(key)
+        if ring is None:
+            self.rings[key] = torch.zeros(self.num_slots, depth, width, dtype=dtype, device=self.device)
+            ring = self._rings[key] = Ring(self.rings[key], None, depth, width)
+        return ring
+
+    def begin_step(self, addresses, capture=None) -> None:  # noqa: ANN001
+        """Nothing to bind: reads and writes take the batch's addresses; no checkpoints here."""
+        if capture is not None:
+            raise ValueError("the dense cache takes no prefix checkpoint capture")
+
+    def end_step(self) -> None:
+        """Nothing deferred: the dense cache updates its rings as it reads them."""
+
+    def draft_window(self, layer: int, width: int, dtype: torch.dtype) -> Ring:
+        """The DSpark stage `layer`'s window ring (W rows, created on first use in `dtype`)."""
+        return self._ring("window", layer, self.cfg.sliding_window, width, dtype)
+
     def history(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch,
                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (name, layer)
-        ring = self.rings.get(key)
-        if ring is None:
-            ring = torch.zeros(self.num_slots, depth, values.shape[-1], dtype=values.dtype, device=self.device)
-            self.rings[key] = ring
-        if rows is None:
-            rows = torch.arange(values.shape[0], device=values.device)
-        seq = batch.seq_index[rows]
-        want = batch.positions[rows].unsqueeze(1) - depth + 1 + torch.arange(depth, device=values.device)
-        start = batch.starts[seq].unsqueeze(1)
-        in_step = want >= start
-        step_row = (batch.cu_seqlens[seq].unsqueeze(1) + want - start).clamp(min=0, max=max(values.shape[0] - 1, 0))
-        slot = batch.slots[seq].unsqueeze(1).expand_as(want)
-        from_ring = ring[slot, want.remainder(depth)]
-        out = torch.where(in_step.unsqueeze(-1), values[step_row], from_ring.to(values.dtype))
-        valid = want >= 0
-        out = out.masked_fill(~valid.unsqueeze(-1), 0)
-
-        keep = batch.positions >= (batch.ends[batch.seq_index] - depth)
-        ring[batch.slots[batch.seq_index[keep]], batch.positions[keep] % depth] = values[keep].detach().to(ring.dtype)
-        return out, valid
+        ring = self._ring(name, layer, depth, values.shape[-1], values.dtype)
+        addr = batch.addresses()
+        read = addr.ring_read(rows, depth, ring.rows)
+        out = ring.window(read, values)
+        ring.write(addr.ring_write(ring.rows), values.detach())
+        return out, read.valid
 
     # ---- compressed rows -----------------------------------------------------------------
     def _table(self, kind: str, owner: int, width: int) -> torch.Tensor:
@@ -86,8 +95,10 @@ class DenseCache:
                    batch: StepBatch) -> None:
         for owner in self.regions.writes(kind, layer):
             table = self._table(kind, owner, values.shape[-1])
-            if index.numel() and int(index.max()) >= table.shape[1]:
-                raise IndexError(f"compressed row {int(index.max())} of layer {layer} exceeds max_len {self.max_len}")
+            groups = batch.addresses().groups(max(self.topo[layer].ratio, 1))
+            last = groups.last if index is groups.j else (int(index.max()) if index.numel() else -1)
+            if last >= table.shape[1]:
+                raise IndexError(f"compressed row {last} of layer {layer} exceeds max_len {self.max_len}")
             if values.requires_grad and torch.is_grad_enabled():
                 # Training: rebuild the table out of place so later reads in this forward carry gradients.
                 self.rows[(kind, owner)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
@@ -109,8 +120,12 @@ class DenseCache:
     def gather_prefix(self, kind: str, layer: int, n_rows: torch.Tensor,
                       batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._table(kind, self.regions.reads(kind, layer), self._width(kind))
-        width = int(n_rows.max()) if n_rows.numel() else 0
+        pre = batch.addresses().prefix_of(n_rows)
+        if pre is None:
+            width = int(n_rows.max()) if n_rows.numel() else 0
+            valid = torch.arange(width, device=n_rows.device).unsqueeze(0) < n_rows.unsqueeze(1)
+        else:
+            width, valid = pre.width, pre.mask
         j = torch.arange(width, device=n_rows.device)
-        valid = j.unsqueeze(0) < n_rows.unsqueeze(1)
         out = table[batch.slots.unsqueeze(1), j.unsqueeze(0).expand(len(n_rows), -1)]
         return out.masked_fill(~valid.unsqueeze(-1), 0), valid

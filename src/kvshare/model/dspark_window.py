@@ -3,8 +3,8 @@
 Each draft stage keeps, per request slot, a ring of its projection of the target's tapped hidden
 states: ``kv_norm(wkv(main_x[p]))`` rotated and rounded like a backbone window row, stored at row
 ``p % depth`` of ring ``("window", stage_layer)``. The ring lives where the backbone's rings live:
-the paged pool (``backend.pool``, packed in the layout's window format, created up front for
-every draft layer) or a DenseCache's plain ``rings``.
+the paged pool (packed in the layout's window format, created up front for every draft layer) or
+a DenseCache (plain values), reached through the backend's ``draft_window`` (runtime.CacheBackend).
 
 Invariants: only committed positions are written (the caller passes the anchor plus accepted
 drafts of a verify, or every token of a prefill chunk), so rejected drafts never reach the ring;
@@ -16,47 +16,34 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.cache.formats import RowFormat
+from kvshare.cache.rings import Ring
 
 
 class DraftWindows:
-    """Read / write access to the draft stages' window rings of one CacheBackend."""
+    """Read / write access to the draft stages' window rings of one CacheBackend
+    (``backend.draft_window(layer, width, dtype)``: a `cache.rings.Ring` of at least `window` rows)."""
 
     def __init__(self, cache: object, window: int, width: int) -> None:
         self.cache = cache
         self.window = window
         self.width = width
 
-    def _ring(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, RowFormat | None]:
-        pool = getattr(self.cache, "pool", None)
-        if pool is not None:
-            return pool.ring("window", layer, self.window, self.width)
-        rings: dict = self.cache.rings  # type: ignore[attr-defined]
-        key = ("window", layer)
-        if key not in rings:
-            rings[key] = torch.zeros(self.cache.num_slots, self.window, self.width,  # type: ignore[attr-defined]
-                                     dtype=dtype, device=self.cache.device)  # type: ignore[attr-defined]
-        return rings[key], None
+    def _ring(self, layer: int, dtype: torch.dtype) -> Ring:
+        return self.cache.draft_window(layer, self.width, dtype)  # type: ignore[attr-defined]
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Store values[e] as position positions[e] of slot slots[e] (the newest `depth` per slot)."""
         if values.shape[0] == 0:
             return
-        ring, fmt = self._ring(layer, values.dtype)
-        depth = ring.shape[1]
-        end = torch.full((int(slots.max()) + 1,), -1, dtype=positions.dtype, device=positions.device)
+        ring = self._ring(layer, values.dtype)
+        end = torch.full((ring.data.shape[0],), -1, dtype=positions.dtype, device=positions.device)
         end = end.scatter_reduce(0, slots, positions, reduce="amax")
-        keep = positions > end[slots] - depth
-        rows = values[keep]
-        ring[slots[keep], positions[keep].remainder(depth)] = fmt.pack(rows) if fmt is not None else rows.to(ring.dtype)
+        keep = positions > end[slots] - ring.rows
+        ring.put(slots[keep], positions[keep], values[keep])
 
     def read(self, layer: int, slots: torch.Tensor, anchor_pos: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """([N, window, width] rows of positions a-window .. a-1, oldest first; [N, window] validity)."""
-        ring, fmt = self._ring(layer, dtype)
-        depth = ring.shape[1]
+        ring = self._ring(layer, dtype)
         q = anchor_pos[:, None] - self.window + torch.arange(self.window, device=anchor_pos.device)[None, :]
-        valid = q >= 0
-        rows = ring[slots[:, None].expand_as(q), q.remainder(depth)]
-        rows = (fmt.unpack(rows) if fmt is not None else rows).to(dtype)
-        return rows.masked_fill(~valid[..., None], 0), valid
+        return ring.gather(slots[:, None], q, dtype)

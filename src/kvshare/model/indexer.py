@@ -23,15 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
-from kvshare.ops import (block_scores, boundary_ties, candidate_block_mask, causal_mask, index_scores,
-                         select_topk)
-from kvshare.ops import invariant
+from kvshare.ops import block_scores, boundary_ties, candidate_block_mask, index_scores, invariant, select_topk
 from kvshare.ops.index_scores import candidate_scores, row_index_scores
 from kvshare.precision import wide
 from kvshare.topology import LayerPlan, Topology
@@ -54,7 +53,8 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         if cfg.arch == "v4":
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, plan.ratio, cfg.rms_norm_eps,
-                                         overlap=plan.ratio == 4, ape=True, name="indexer_compressor")
+                                         overlap=overlap_factor(cfg.arch, plan.ratio) == 2, ape=True,
+                                         name="indexer_compressor")
 
     # ---- index keys (owners) ---------------------------------------------------------------
     def write_keys(self, ctx: StepContext, x: torch.Tensor, latent: Emitted | None) -> None:
@@ -68,9 +68,9 @@ class Indexer(nn.Module):
             assert latent is not None, "a V4.1 index-K owner is always a kv source"
             new = latent
             keys = self.k_norm(self.wk(latent.latent))
-        if new.j.numel() == 0:
+        if new.count == 0:
             return
-        keys = ctx.rope_compress.rotate(keys, new.positions(self.ratio))
+        keys = ctx.rope_compress.rotate(keys, new.positions)
         keys = self.quantizer.index(keys)
         ctx.cache.write_rows("index_k", self.layer, new.seq, new.j, keys, ctx.batch)
 
@@ -82,9 +82,9 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
         w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        n_rows = torch.div(ctx.batch.ends, self.ratio, rounding_mode="floor")
-        keys, _ = ctx.cache.gather_prefix("index_k", self.layer, n_rows, ctx.batch)
-        compress_len = torch.div(pos + 1, self.ratio, rounding_mode="floor")
+        pre = ctx.addr.prefix(self.ratio)
+        keys, _ = ctx.cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
+        compress_len = pre.compress_len
         cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
                      if self.plan.uses_candidates else None)
         cap = self.cfg.candidate_topk_blocks * self.cfg.candidate_block_size
@@ -95,8 +95,8 @@ class Indexer(nn.Module):
         elif invariant.is_on():
             scores = row_index_scores(q, w, keys, ctx.seq_index, compress_len)
         else:
-            scores = index_scores(q, w, keys, ctx.seq_index)
-        scores = scores.masked_fill(~causal_mask(scores.shape[1], compress_len), float("-inf"))
+            scores = index_scores(q, w, keys, ctx.seq_index, rows=ctx.addr.rows_layout())
+        scores = scores.masked_fill(~pre.causal, float("-inf"))
         if self.plan.publishes_candidates:
             cand = self.cfg.candidate_topk_blocks
             mask = candidate_block_mask(scores, compress_len, self.cfg.candidate_block_size, cand)

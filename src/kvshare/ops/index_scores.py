@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.step_addresses import SeqRows
+
 DEFAULT_BUDGET = 1 << 25  # elements per intermediate (128 MiB in fp32, 256 MiB in fp64)
 
 
@@ -41,15 +43,22 @@ def index_scores(
     keys: torch.Tensor,  # [N, L, d] index keys of each sequence
     seq_index: torch.Tensor,  # [T] sequence of each query row
     budget: int = DEFAULT_BUDGET,
+    rows: SeqRows | None = None,
 ) -> torch.Tensor:
-    """[T, L] fp32 scores of every query row against all L key rows of its own sequence."""
+    """[T, L] fp32 scores of every query row against all L key rows of its own sequence.
+
+    `rows` (the step's addresses: host row counts and ranks) spares deriving them from
+    `seq_index`, which reads device values on the host."""
     t, h, d = q.shape
     n, length = keys.shape[0], keys.shape[1]
     out = torch.empty(t, length, dtype=torch.float32, device=q.device)
     if t == 0 or length == 0:
         return out
-    rank, counts = _rank_in_sequence(seq_index, n)
-    s_max = int(counts.max())
+    if rows is not None:
+        rank, s_max, host_counts = rows.rank, rows.max_len, rows.lens
+    else:
+        rank, counts = _rank_in_sequence(seq_index, n)
+        s_max, host_counts = int(counts.max()), None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_pad = q.new_zeros((n, s_max, h, d), dtype=acc)
     q_pad[seq_index, rank] = q.to(acc)
@@ -60,9 +69,18 @@ def index_scores(
     block = max(1, budget // max(1, n * h * max(length, d)))
     for s0 in range(0, s_max, block):
         s1 = min(s_max, s0 + block)
-        active = (counts > s0).nonzero().squeeze(1)  # sequences with rows in this block
-        qb = q_pad[active, s0:s1].reshape(active.numel(), (s1 - s0) * h, d)
-        dots = torch.bmm(qb, kd_t[active]).view(active.numel(), s1 - s0, h, length)
+        if host_counts is not None and min(host_counts) > s0:  # every sequence has rows in this block
+            qb = q_pad[:, s0:s1].reshape(n, (s1 - s0) * h, d)
+            dots = torch.bmm(qb, kd_t).view(n, s1 - s0, h, length)
+            scores[:, s0:s1] = torch.einsum("nshl,nsh->nsl", torch.relu(dots), w_pad[:, s0:s1]).float()
+            continue
+        if host_counts is not None:
+            active = torch.tensor([i for i, c in enumerate(host_counts) if c > s0], device=q.device)
+        else:
+            active = (counts > s0).nonzero().squeeze(1)  # sequences with rows in this block
+        na = active.numel()
+        qb = q_pad[active, s0:s1].reshape(na, (s1 - s0) * h, d)
+        dots = torch.bmm(qb, kd_t[active]).view(na, s1 - s0, h, length)
         summed = torch.einsum("nshl,nsh->nsl", torch.relu(dots), w_pad[active, s0:s1])
         scores[active, s0:s1] = summed.float()
     out[:] = scores[seq_index, rank]

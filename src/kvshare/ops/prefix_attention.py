@@ -30,6 +30,7 @@ import torch
 
 from kvshare.ops.sequence_band import attend_by_sequence
 from kvshare.precision import wide
+from kvshare.step_addresses import SeqRows
 
 # a sequence with this many rows in the step (a prefill chunk) is attended on its own, W scores
 # per row; its ~15 kernel launches are then small next to the half-band scores they save.
@@ -69,6 +70,7 @@ def prefix_attention(
     scale: float,
     block: int = 64,
     by_sequence: bool | None = None,
+    rows: SeqRows | None = None,
 ) -> torch.Tensor:
     """[T, H, d] attention output (see module doc).
 
@@ -76,10 +78,13 @@ def prefix_attention(
     `sequence_band.attend_by_sequence` (W scores per row instead of block + W - 1), the others
     through the banded blocks; `by_sequence` True / False sends every sequence one way. The
     choice depends only on a sequence's own chunk length, so a row's result does not depend on
-    the other sequences of the step.
+    the other sequences of the step. `rows` (the step's addresses: host chunk lengths and starts,
+    rows contiguous per sequence and in order) spares every host read of device values.
     """
     t, n = q.shape[0], win.shape[0]
     fresh = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, win, comp, sink))
+    if rows is not None:
+        return _by_host_rows(q, win, starts, comp, comp_mask, seq_index, rows, sink, scale, block, by_sequence, fresh)
     if t == 0 or by_sequence is False:
         return _banded(q, win, starts, comp, comp_mask, seq_index, rank, sink, scale, block, fresh)
     lens = torch.bincount(seq_index, minlength=n)
@@ -108,13 +113,60 @@ def prefix_attention(
     return out
 
 
+def _by_host_rows(q: torch.Tensor, win: torch.Tensor, starts: torch.Tensor, comp: torch.Tensor | None,
+                  comp_mask: torch.Tensor | None, seq_index: torch.Tensor, rows: SeqRows, sink: torch.Tensor,
+                  scale: float, block: int, by_sequence: bool | None, fresh: bool) -> torch.Tensor:
+    """`prefix_attention` with the row layout known on the host: the same split and the same
+    kernels as the device-derived path, decided without reading device values."""
+    t, n, lens, rank = q.shape[0], win.shape[0], rows.lens, rows.rank
+    if by_sequence is None:
+        long = [k >= BY_SEQUENCE_MIN_ROWS for k in lens]
+    else:
+        long = [bool(by_sequence)] * n
+    if t == 0 or not any(long):
+        return _banded(q, win, starts, comp, comp_mask, seq_index, rank, sink, scale, block, fresh, rows.max_len)
+    p_len = win.shape[1] - rows.max_len
+    if all(long):
+        return attend_by_sequence(q, win, p_len, rows.starts, lens, comp, comp_mask, sink, scale, fresh)
+    # both kinds: each part on its own rows (sequence order and row order kept), then merged
+    first = [sum(lens[:i]) for i in range(n)]
+    dev = q.device
+    seq_l = [i for i in range(n) if long[i]]
+    seq_s = [i for i in range(n) if not long[i]]
+    idx = torch.tensor([r for i in seq_l for r in range(first[i], first[i] + lens[i])]
+                       + [r for i in seq_s for r in range(first[i], first[i] + lens[i])]
+                       + seq_l + seq_s + [k for k, i in enumerate(seq_s) for _ in range(lens[i])], device=dev)
+    n_rl = sum(lens[i] for i in seq_l)
+    n_rs = t - n_rl
+    rows_l, rows_s = idx[:n_rl], idx[n_rl:t]
+    sl, ss = idx[t:t + len(seq_l)], idx[t + len(seq_l):t + n]
+    renum = idx[t + n:]
+    o_l = attend_by_sequence(q[rows_l], win[sl], p_len, [rows.starts[i] for i in seq_l], [lens[i] for i in seq_l],
+                             None if comp is None else comp[sl],
+                             None if comp_mask is None else comp_mask[rows_l], sink, scale, fresh)
+    s_short = max(lens[i] for i in seq_s)
+    o_s = _banded(q[rows_s], win[ss][:, :p_len + s_short], starts[ss], None if comp is None else comp[ss],
+                  None if comp_mask is None else comp_mask[rows_s], renum, rank[rows_s], sink, scale, block, fresh,
+                  s_short)
+    assert renum.shape[0] == n_rs
+    out = q.new_zeros(q.shape)
+    out[rows_l] = o_l
+    out[rows_s] = o_s
+    return out
+
+
 def _banded(q: torch.Tensor, win: torch.Tensor, starts: torch.Tensor, comp: torch.Tensor | None,
             comp_mask: torch.Tensor | None, seq_index: torch.Tensor, rank: torch.Tensor, sink: torch.Tensor,
-            scale: float, block: int, fresh: bool) -> torch.Tensor:
-    """`prefix_attention` by banded blocks of `block` query rows (see the module doc)."""
+            scale: float, block: int, fresh: bool, max_rows: int | None = None) -> torch.Tensor:
+    """`prefix_attention` by banded blocks of `block` query rows (see the module doc). `max_rows`
+    (host): the longest sequence's rows, given when rows are known to be contiguous per sequence
+    and in order (then no device value is read)."""
     t, h, d = q.shape
     n = win.shape[0]
-    p_len = win.shape[1] - (int(rank.max()) + 1 if t else 0)
+    if max_rows is None:
+        p_len = win.shape[1] - (int(rank.max()) + 1 if t else 0)
+    else:
+        p_len = win.shape[1] - (max_rows if t else 0)
     s = win.shape[1] - p_len
     bq = max(1, min(block, s))
     nb = -(-s // bq)
@@ -125,7 +177,10 @@ def _banded(q: torch.Tensor, win: torch.Tensor, starts: torch.Tensor, comp: torc
     if sp > s:
         kw = torch.cat([kw, kw.new_zeros(n, sp - s, d)], dim=1)
     # rows already in [N, Sp] order (equal-length sequences, no block padding): views, not copies
-    dense = t == n * sp and bool(torch.equal(seq_index * sp + rank, torch.arange(t, device=q.device)))
+    if max_rows is not None:  # rows in sequence order: t == n * sp means every sequence fills its sp rows
+        dense = t == n * sp
+    else:
+        dense = t == n * sp and bool(torch.equal(seq_index * sp + rank, torch.arange(t, device=q.device)))
     q_pad = qf.view(n, sp, h, d) if dense else regroup(qf, seq_index, rank, n, sp)  # [N, Sp, H, d]
     width = bq + p_len
     kb = kw.unfold(1, width, bq)  # [N, nb, d, width] view: block b's keys are indices b*bq .. b*bq+width-1

@@ -64,10 +64,10 @@ def capture(model: Any) -> Iterator[Capture]:
              cap_rows: int) -> torch.Tensor:
         return scores(q, w, keys, seq)
 
-    def prefix(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    def prefix(q: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         if cap.layer is not None:
             cap.queries[cap.layer] = (q, args[7])  # (win, starts, comp, mask, seq, rank, sink, scale)
-        return orig_prefix(q, *args)
+        return orig_prefix(q, *args, **kw)
 
     hooks = [blk.attn.register_forward_pre_hook(lambda m, a, i=i: setattr(cap, "layer", i))
              for i, blk in enumerate(model.layers)]
