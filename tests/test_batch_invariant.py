@@ -52,8 +52,9 @@ def test_row_linear_gives_each_row_its_alone_bits(dtype: torch.dtype, n: int, k:
     for m in ROW_COUNTS:
         assert torch.equal(invariant.row_linear(x[:m], w), alone[:m]), m
     exact = (x.double() @ w.double().t())
-    # the product, not noise: observed max |alone - exact| / max |exact| 3.5e-3 (bf16 output), 3.4e-7 (fp32)
-    assert (alone.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-6) * exact.abs().max()
+    # the product, not noise: observed max |alone - exact| / max |exact| 3.5e-3 (bf16 output); fp32 3.4e-7
+    # (torch fallback) and 1.6e-6 (native kernels: one sequential fma chain per output over K = 1024)
+    assert (alone.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 4e-6) * exact.abs().max()
 
 
 def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_forward() -> None:
