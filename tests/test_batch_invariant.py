@@ -87,6 +87,13 @@ def test_pointwise_sends_every_element_through_the_vector_loop(fn) -> None:
     assert torch.equal(invariant.pointwise(fn, x[:37]), fn(x[:37]))  # off: the plain call
 
 
+def _buckets(n_valid: torch.Tensor, bucket: int = invariant.BUCKET) -> list[tuple[int, torch.Tensor]]:
+    """Rows grouped by their count rounded up to a multiple of `bucket` (written out here, the
+    engine's come from StepAddresses.length_buckets)."""
+    b = [max(bucket, -(-int(n) // bucket) * bucket) for n in n_valid]
+    return [(v, torch.tensor([r for r, x in enumerate(b) if x == v])) for v in sorted(set(b))]
+
+
 def test_row_index_scores_match_the_formula_and_ignore_the_other_rows() -> None:
     g = torch.Generator().manual_seed(3)
     t, h, d, n, length = 9, 16, 8, 2, 150
@@ -95,16 +102,26 @@ def test_row_index_scores_match_the_formula_and_ignore_the_other_rows() -> None:
     keys = torch.randn(n, length, d, generator=g, dtype=torch.float64)
     seq = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0, 1])
     n_valid = torch.tensor([1, 63, 64, 65, 130, 150, 7, 128, 100])
-    got = row_index_scores(q, w, keys, seq, n_valid)
+    got = row_index_scores(q, w, keys, seq, _buckets(n_valid))
     for r in range(t):
         for j in range(int(n_valid[r])):
             want = sum(float(w[r, i]) * max(0.0, float(q[r, i] @ keys[seq[r], j])) for i in range(h))
             assert abs(float(got[r, j]) - want) <= 1e-5 * (1 + abs(want))  # fp32 result of a float64 sum
     q32, w32, k32 = q.float(), w.float(), keys.float()
-    full = row_index_scores(q32, w32, k32, seq, n_valid)
+    full = row_index_scores(q32, w32, k32, seq, _buckets(n_valid))
     for r in range(t):
-        one = row_index_scores(q32[r:r + 1], w32[r:r + 1], k32, seq[r:r + 1], n_valid[r:r + 1])
+        one = row_index_scores(q32[r:r + 1], w32[r:r + 1], k32, seq[r:r + 1], _buckets(n_valid[r:r + 1]))
         assert torch.equal(one[0, :int(n_valid[r])], full[r, :int(n_valid[r])]), r
+
+
+def test_step_addresses_bucket_rows_by_their_own_causal_count() -> None:
+    """Written out: rows at positions p of ratio 2 have (p + 1) // 2 entries, rounded up to 4."""
+    from kvshare.runtime import StepBatch
+
+    batch = StepBatch.build([0, 9], [5, 3])  # positions 0-4 and 9-11
+    got = [(b, rows.tolist()) for b, rows in batch.addresses().length_buckets(2, 4)]
+    # counts 0, 1, 1, 2, 2 | 5, 5, 6 -> buckets 4, 4, 4, 4, 4 | 8, 8, 8
+    assert got == [(4, [0, 1, 2, 3, 4]), (8, [5, 6, 7])]
 
 
 def _model(name: str) -> Transformer:

@@ -236,6 +236,16 @@ class StepAddresses:
             return Prefix(ratio, n_t[:n], width, masks[:n], n_t[n:], masks[n:])
         return self._cached(("prefix", ratio), build)  # type: ignore[return-value]
 
+    def length_buckets(self, ratio: int, bucket: int) -> list[tuple[int, torch.Tensor]]:
+        """Token rows grouped by their causal compressed count ``(pos + 1) // ratio`` rounded up to
+        a multiple of `bucket` (at least `bucket`): ``[(bucket length, rows [G])]``, ascending.
+        The batch-invariant products (ops/invariant.py) give each group one shape."""
+        def build() -> list[tuple[int, torch.Tensor]]:
+            n = (self._pos + 1) // ratio
+            b = np.maximum(n + (bucket - 1), bucket) // bucket * bucket
+            return [(int(v), self._tensor(np.flatnonzero(b == v))) for v in np.unique(b)]
+        return self._cached(("buckets", ratio, bucket), build)  # type: ignore[return-value]
+
     def prefix_of(self, n_rows: torch.Tensor) -> Prefix | None:
         """The memoised Prefix whose ``n_rows`` is this very tensor, or None."""
         for key, p in self._memo.items():

@@ -125,11 +125,9 @@ class Attention(nn.Module):
             rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(topk), topk, batch)
             keys = torch.cat([win, rows.to(win.dtype)], dim=1)
             return sparse_attention(q, keys, torch.cat([win_valid, topk >= 0], dim=1), self.attn_sink, scale)
-        n_causal = torch.div(ctx.positions + 1, self.ratio, rounding_mode="floor")
-        bucket = invariant.length_bucket(n_causal)
+        n_causal = ctx.addr.prefix(self.ratio).compress_len
         out = q.new_empty(q.shape)
-        for b in torch.unique(bucket).tolist():  # a few buckets per step, never one per row
-            rows_b = torch.nonzero(bucket == b).flatten()
+        for b, rows_b in ctx.addr.length_buckets(self.ratio, invariant.BUCKET):  # a few per step, host ints
             j = torch.arange(b, device=q.device).unsqueeze(0).expand(rows_b.numel(), -1)
             j = j.masked_fill(j >= n_causal[rows_b].unsqueeze(1), -1)
             comp = ctx.cache.gather_rows("kv", self.layer, seq[rows_b].unsqueeze(1).expand_as(j), j, batch)

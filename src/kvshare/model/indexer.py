@@ -93,7 +93,7 @@ class Indexer(nn.Module):
             # (and one fixed product shape per row, so a batch-invariant forward always takes it)
             scores = candidate_scores(q, w, keys, ctx.seq_index, cand_mask, cap)
         elif invariant.is_on():
-            scores = row_index_scores(q, w, keys, ctx.seq_index, compress_len)
+            scores = row_index_scores(q, w, keys, ctx.seq_index, ctx.addr.length_buckets(self.ratio, invariant.BUCKET))
         else:
             scores = index_scores(q, w, keys, ctx.seq_index, rows=ctx.addr.rows_layout())
         scores = scores.masked_fill(~pre.causal, float("-inf"))

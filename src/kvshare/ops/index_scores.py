@@ -122,29 +122,26 @@ def row_index_scores(
     weights: torch.Tensor,  # [T, H]
     keys: torch.Tensor,  # [N, L, d] index keys of each sequence
     seq_index: torch.Tensor,  # [T]
-    n_valid: torch.Tensor,  # [T] keys each row may score (its causal count)
+    buckets: list[tuple[int, torch.Tensor]],  # [(B, rows)]: rows whose causal count rounds up to B
     budget: int = DEFAULT_BUDGET,
 ) -> torch.Tensor:
-    """[T, L] fp32 scores, batch-invariant (ops/invariant.py): row t is scored against keys
-    ``[0, B_t)`` of its sequence, ``B_t = length_bucket(n_valid[t])``, in products of shape
-    [H, d] x [d, B_t] (one batch entry per row), so its bits depend on its own rows and count
-    only. Columns past a row's bucket are 0; callers mask ``j >= n_valid`` as for `index_scores`."""
-    from kvshare.ops.invariant import length_bucket
-
+    """[T, L] fp32 scores, batch-invariant (ops/invariant.py): each row of a bucket (B, rows) is
+    scored against keys ``[0, B)`` of its sequence in a product of shape [H, d] x [d, B] (one
+    batch entry per row), so its bits depend on its own query and keys only. `buckets` come from
+    the step's host ints (`StepAddresses.length_buckets`), so nothing is read from the device.
+    Columns past a row's bucket are 0; callers mask ``j >= (pos + 1) // ratio`` as for `index_scores`."""
     t, h, d = q.shape
     length = keys.shape[1]
     out = torch.zeros(t, length, dtype=torch.float32, device=q.device)
     if t == 0 or length == 0:
         return out
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bucket = length_bucket(n_valid)
-    width = int(bucket.max())
+    width = max(b for b, _ in buckets)
     kp = keys.to(acc)
     if width > length:
         kp = torch.cat([kp, kp.new_zeros(kp.shape[0], width - length, d)], dim=1)
     qa, wa = q.to(acc), weights.to(acc)
-    for b in torch.unique(bucket).tolist():  # a few buckets per step, never one per row
-        rows = torch.nonzero(bucket == b).flatten()
+    for b, rows in buckets:
         per = max(1, budget // max(1, b * max(d, h)))  # rows per product: bounds memory only
         for r0 in range(0, rows.numel(), per):
             r = rows[r0:r0 + per]

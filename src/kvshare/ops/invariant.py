@@ -15,9 +15,9 @@ shape does not depend on the other rows:
 * `row_bmm(a, b)`: ``torch.bmm`` with one row per batch entry and a per-entry shape fixed by the
   row itself; torch computes every entry of a batched product with the same per-entry kernel,
   whatever the batch count (checked in tests/test_batch_invariant.py for the shapes the model uses).
-* `length_bucket(n)`: per-row key counts rounded up to a multiple of `BUCKET`, so rows whose own
-  lengths fall in one bucket share one product shape, and a row's shape never depends on another
-  row's length.
+* length buckets (`StepAddresses.length_buckets(ratio, BUCKET)`, from the step's host ints): per-row
+  key counts rounded up to a multiple of `BUCKET`, so rows whose own counts fall in one bucket share
+  one product shape, and a row's shape never depends on another row's count.
 
 * `pointwise(fn, x)`: torch's vectorised element-wise kernels compute a tensor's last
   ``numel % (2 x vector width)`` elements in a scalar loop, and its scalar sigmoid, softplus and silu
@@ -147,6 +147,3 @@ def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
-def length_bucket(n: torch.Tensor) -> torch.Tensor:
-    """Per-row lengths rounded up to a multiple of BUCKET (at least BUCKET)."""
-    return torch.clamp(n + (BUCKET - 1), min=BUCKET) // BUCKET * BUCKET
