@@ -14,8 +14,9 @@ from test_model_common import make_model, token_ids
 
 def _engine(share: bool, name: str = "tiny-v41-deep") -> LLMEngine:
     model = make_model(name)
+    # the batched read paths (prefix reads of whole blocks); a batch-invariant engine reads per row
     return LLMEngine(model, max_num_seqs=2, num_blocks=16, max_model_len=192, max_num_batched_tokens=256,
-                     share_kv_cache=share)
+                     share_kv_cache=share, batch_invariant=False)
 
 
 def _spy_prefix(eng: LLMEngine) -> list[tuple]:

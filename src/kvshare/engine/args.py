@@ -58,15 +58,19 @@ class EngineArgs:
 
 SMALL_MODEL_PARAMS = 100_000_000
 #: batch invariance when EngineArgs.batch_invariant is None (see resolve_batch_invariant)
-DEFAULT_BATCH_INVARIANT = False
+DEFAULT_BATCH_INVARIANT = True
 
 
-def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device) -> bool:
-    """Whether every row is computed alone (ops/invariant.py): the flag if given, else the default
-    on CPU (the fixed-order paths are CPU paths; other devices keep their batched kernels)."""
+def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether every row is computed alone (ops/invariant.py): the flag if given, else on for bf16
+    and fp32 models on the CPU, where the native fixed-order kernels serve the products (decode
+    costs the same; prefill is slower, README "Performance"). Other devices keep their batched
+    kernels; float64 (the exactness mode, already far below every rounding step) stays batched
+    unless asked, since its fixed-order products fall back to one call per row."""
     if batch_invariant is not None:
         return bool(batch_invariant)
-    return DEFAULT_BATCH_INVARIANT and torch.device(device).type == "cpu"
+    return (DEFAULT_BATCH_INVARIANT and torch.device(device).type == "cpu"
+            and dtype in (torch.bfloat16, torch.float32))
 
 
 def resolve_threads(threads: int | None, model: torch.nn.Module) -> int | None:

@@ -49,7 +49,8 @@ class LLMEngine:
 
             self.tp, model = start(model, args)
         model = self._load(model, args)
-        model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device)
+        model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device,
+                                                                                 self.dtype)
         self.model = model
         self.threads = apply_threads(args.threads, model)
         self.weight_bytes = weight_bytes(model)  # as stored (bf16 with the fp32 set, or the oracle dtype)

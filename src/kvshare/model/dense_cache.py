@@ -114,6 +114,8 @@ class DenseCache:
         if seq.dim() < index.dim():
             seq = seq.view(*seq.shape, *([1] * (index.dim() - seq.dim())))
         slot = batch.slots[seq].expand_as(index)
+        if table.shape[1] == 0:  # a ratio longer than the cache's length: only -1 (padding) can be asked
+            return table.new_zeros(*index.shape, table.shape[-1])
         out = table[slot, index.clamp(min=0)]
         return out.masked_fill((index < 0).unsqueeze(-1), 0)
 
