@@ -1,0 +1,63 @@
+// Torch binding: argument checks, activation padding, and the split of output groups over threads
+// (each output element is computed by exactly one thread, so the thread count changes no bit).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include "gemm.h"
+
+namespace kk = kvshare_kernels;
+
+static bool cpu_has(const char* what) {
+  __builtin_cpu_init();
+  if (std::string(what) == "avx512bf16")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  if (std::string(what) == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return false;
+}
+
+// x: [M, K] bf16 (FP32 format: fp32); w / exps: the packed layout of gemm.h; isa: "avx512" | "avx2".
+static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t fmt, int64_t n,
+                          int64_t k, int64_t kp, int64_t bk, const std::string& isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kernels.gemm: x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(w.is_contiguous() && exps.is_contiguous(), "kernels.gemm: packed weight must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kernels.gemm: CPU tensors only");
+  const bool f32 = fmt == kk::FMT_FP32;
+  TORCH_CHECK(x.scalar_type() == (f32 ? torch::kFloat32 : torch::kBFloat16),
+              "kernels.gemm: activation dtype ", x.scalar_type(), " does not fit format ", fmt);
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "kernels.gemm: unknown format ", fmt);
+  TORCH_CHECK(f32 || fmt != kk::FMT_BF16 || (kp % 32 == 0 && kp >= k), "kernels.gemm: bad padded K ", kp);
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || (bk >= 2 && bk <= 256 && bk % 2 == 0 && kp % bk == 0 && kp >= k),
+              "kernels.gemm: bad scale block ", bk, " for padded K ", kp);
+  const int64_t m = x.size(0);
+  torch::Tensor xin;
+  if (f32) {
+    xin = x.contiguous();
+  } else {
+    xin = torch::zeros({m, kp}, x.options());
+    xin.narrow(1, 0, k).copy_(x);
+  }
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  if (k == 0) return y.zero_();
+  const bool wide = isa == "avx512";
+  TORCH_CHECK(wide || isa == "avx2", "kernels.gemm: unknown isa ", isa);
+  TORCH_CHECK(cpu_has(wide ? "avx512bf16" : "avx2"), "kernels.gemm: this CPU lacks ", isa);
+  const int64_t nb = (n + 15) / 16;
+  kk::GemmArgs base{static_cast<int>(fmt), xin.data_ptr(), w.data_ptr(),
+                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb};
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+    kk::GemmArgs a = base;
+    a.nb0 = lo * 2;
+    a.nb1 = std::min(hi * 2, nb);
+    if (wide) kk::gemm_avx512(&a);
+    else kk::gemm_avx2(&a);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
+  mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
+}
