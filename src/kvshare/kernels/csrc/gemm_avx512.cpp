@@ -8,8 +8,8 @@
 namespace kvshare_kernels {
 namespace {
 
-constexpr int MR = 4;  // rows per register tile
-#define KV_TAILS KV_TAIL(1) KV_TAIL(2) KV_TAIL(3)
+constexpr int MR = 8;  // rows per register tile (8 x NR accumulators + NR weights + 1 broadcast <= 32 zmm)
+#define KV_TAILS KV_TAIL(1) KV_TAIL(2) KV_TAIL(3) KV_TAIL(4) KV_TAIL(5) KV_TAIL(6) KV_TAIL(7)
 
 typedef __m512 V;
 typedef __m512i WP;  // 16 dwords, each a bf16 pair

@@ -16,22 +16,33 @@ constexpr int NR = 2;     // 16-lane output groups per tile
 constexpr int MS = 64;
 constexpr int MAX_BLOCK = 256;  // largest scale block along K    // rows whose totals are kept while a weight block is decoded once
 
-static inline void load_block(int fmt, const GemmArgs& a, int64_t nb, int64_t p0, int64_t pb, WP* dst) {
-  for (int64_t p = 0; p < pb; ++p) {
-    const int64_t pp = p0 + p;
-    if (fmt == FMT_BF16) {
-      dst[p] = wp_bf16(static_cast<const int32_t*>(a.w) + (nb * (a.KP / 2) + pp) * 16);
-    } else if (fmt == FMT_FP8) {
-      dst[p] = wp_fp8(static_cast<const uint8_t*>(a.w) + (nb * (a.KP / 2) + pp) * 32);
-    } else {
-      dst[p] = wp_fp4(static_cast<const uint8_t*>(a.w) + (nb * (a.KP / 2) + pp) * 16);
-    }
+constexpr int64_t PREFETCH_BLOCKS = 4;  // blocks ahead whose weight bytes are prefetched
+
+// Bytes of one k pair of one 16-lane group in the packed weight.
+static inline int64_t pair_bytes(int fmt) { return fmt == FMT_FP8 ? 32 : (fmt == FMT_FP4 ? 16 : 64); }
+
+static inline const uint8_t* group_pairs(const GemmArgs& a, int64_t nb, int64_t p) {
+  return static_cast<const uint8_t*>(a.w) + (nb * (a.KP / 2) + p) * pair_bytes(a.fmt);
+}
+
+// The weights of pairs [p0, p0 + pb) of group nb as WP: bf16 is used in place; FP8 / FP4 are
+// decoded into dst. The bytes PREFETCH_BLOCKS blocks ahead are prefetched (decode streams DRAM).
+static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int64_t p0, int64_t pb, WP* dst) {
+  const int64_t bytes = pb * pair_bytes(a.fmt);
+  const int64_t ahead = p0 + PREFETCH_BLOCKS * pb;
+  if (ahead < a.KP / 2) {
+    const uint8_t* pf = group_pairs(a, nb, ahead);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(pf + off, 0, 3);
   }
+  const uint8_t* src = group_pairs(a, nb, p0);
+  if (a.fmt == FMT_BF16) return reinterpret_cast<const WP*>(src);
+  for (int64_t p = 0; p < pb; ++p) dst[p] = a.fmt == FMT_FP8 ? wp_fp8(src + 32 * p) : wp_fp4(src + 16 * p);
+  return dst;
 }
 
 // Rows [0, R) of one tile: totals tot[r][g] (16 floats each) updated with one block.
 template <int R, int G, bool SCALED>
-static inline void micro(const uint32_t* const* xr, int64_t p0, int64_t pb, const WP* wb,
+static inline void micro(const uint32_t* const* xr, int64_t p0, int64_t pb, const WP* const* wb,
                          const V* scale, float* tot) {
   V acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -39,7 +50,7 @@ static inline void micro(const uint32_t* const* xr, int64_t p0, int64_t pb, cons
   for (int64_t p = 0; p < pb; ++p) {
     for (int r = 0; r < R; ++r) {
       const uint32_t xp = xr[r][p0 + p];
-      for (int g = 0; g < G; ++g) acc[r][g] = vdot(acc[r][g], xp, wb[g * pb + p]);
+      for (int g = 0; g < G; ++g) acc[r][g] = vdot(acc[r][g], xp, wb[g][p]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -50,7 +61,7 @@ static inline void micro(const uint32_t* const* xr, int64_t p0, int64_t pb, cons
 }
 
 template <int G, bool SCALED>
-static void rows_tile(int64_t rows, const uint32_t* const* xr, int64_t p0, int64_t pb, const WP* wb,
+static void rows_tile(int64_t rows, const uint32_t* const* xr, int64_t p0, int64_t pb, const WP* const* wb,
                       const V* scale, float* tot) {
   int64_t r = 0;
   for (; r + MR <= rows; r += MR) micro<MR, G, SCALED>(xr + r, p0, pb, wb, scale, tot + r * NR * 16);
@@ -76,7 +87,8 @@ static void gemm_pairs(const GemmArgs& a) {
   const int64_t P = a.KP / 2;
   const int64_t pb = scaled ? a.bk / 2 : 16;  // pairs per block (bf16: a chunk, no scale)
   alignas(64) float tot[MS * NR * 16];
-  WP wb[NR * MAX_BLOCK / 2];  // the decoded block of each group (bk <= MAX_BLOCK, checked by the caller)
+  WP buf[NR][MAX_BLOCK / 2];  // the decoded block of each group (bk <= MAX_BLOCK, checked by the caller)
+  const WP* wb[NR];
   const uint32_t* xr[MS];
   V scale[NR];
   for (int64_t nb = a.nb0; nb < a.nb1; nb += NR) {
@@ -88,7 +100,7 @@ static void gemm_pairs(const GemmArgs& a) {
       for (int64_t p0 = 0, kb = 0; p0 < P; p0 += pb, ++kb) {
         const int64_t n_p = min64(pb, P - p0);
         for (int g = 0; g < g_count; ++g) {
-          load_block(a.fmt, a, nb + g, p0, n_p, wb + g * n_p);
+          wb[g] = block_weights(a, nb + g, p0, n_p, buf[g]);
           if (scaled) scale[g] = vexp2(a.exps + ((nb + g) * (a.KP / a.bk) + kb) * 16);
         }
         if (g_count == NR) {
