@@ -13,6 +13,7 @@ constexpr int MR = 2;
 
 struct V { __m256 lo, hi; };
 struct WP { V odd, even; };  // the 16 lanes' weights of k = 2p + 1 and k = 2p, as fp32
+constexpr bool WP_IS_PACKED_BF16 = false;
 
 static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }

@@ -13,6 +13,7 @@ constexpr int MR = 8;  // rows per register tile (8 x NR accumulators + NR weigh
 
 typedef __m512 V;
 typedef __m512i WP;  // 16 dwords, each a bf16 pair
+constexpr bool WP_IS_PACKED_BF16 = true;  // packed bf16 weights are used in place
 
 static inline V vzero() { return _mm512_setzero_ps(); }
 static inline V vload(const float* p) { return _mm512_loadu_ps(p); }

@@ -26,7 +26,7 @@ static inline const uint8_t* group_pairs(const GemmArgs& a, int64_t nb, int64_t 
 }
 
 // The weights of pairs [p0, p0 + pb) of group nb as WP: bf16 is used in place; FP8 / FP4 are
-// decoded into dst. The bytes PREFETCH_BLOCKS blocks ahead are prefetched (decode streams DRAM).
+// decoded into dst (bf16 too where WP is not the packed pair layout, WP_IS_PACKED_BF16 false). The bytes PREFETCH_BLOCKS blocks ahead are prefetched (decode streams DRAM).
 static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int64_t p0, int64_t pb, WP* dst) {
   const int64_t bytes = pb * pair_bytes(a.fmt);
   const int64_t ahead = p0 + PREFETCH_BLOCKS * pb;
@@ -35,7 +35,11 @@ static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int64_t p0,
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(pf + off, 0, 3);
   }
   const uint8_t* src = group_pairs(a, nb, p0);
-  if (a.fmt == FMT_BF16) return reinterpret_cast<const WP*>(src);
+  if (a.fmt == FMT_BF16) {
+    if (WP_IS_PACKED_BF16) return reinterpret_cast<const WP*>(src);
+    for (int64_t p = 0; p < pb; ++p) dst[p] = wp_bf16(reinterpret_cast<const int32_t*>(src) + 16 * p);
+    return dst;
+  }
   for (int64_t p = 0; p < pb; ++p) dst[p] = a.fmt == FMT_FP8 ? wp_fp8(src + 32 * p) : wp_fp4(src + 16 * p);
   return dst;
 }
