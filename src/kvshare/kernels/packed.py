@@ -3,9 +3,9 @@
 Layouts (NB = ceil(N / 16) groups of 16 outputs, zero-padded; see csrc/gemm.h):
 
 * ``bf16``: int32 [NB, KP / 2, 16], a bf16 pair (k = 2p low half, 2p + 1 high) per output and pair;
-  KP = K rounded up to 32, padded with zeros.
+  KP = K rounded up to even, padded with zeros.
 * ``fp32``: float32 [NB, K, 16].
-* ``fp8``: uint8 [NB, KP / 2, 16, 2] e4m3 codes; ``exps`` uint8 [NB, KP / bk, 16]: the ue8m0 exponent
+* ``fp8``: uint8 [NB, KP / 2, 16, 2] e4m3 codes; ``exps`` uint8 [NB, ceil(K / bk), 16]: the ue8m0 exponent
   (scale 2^(e - 127)) of each output row and K block of `bk` (the checkpoint's 128 x 128 block
   scale repeated for the 16-row groups: +1/bk byte per weight, 0.8% at bk = 128).
 * ``fp4``: uint8 [NB, KP / 2, 16] e2m1 pairs as stored (low nibble = even k); ``exps`` as for fp8 with
@@ -25,7 +25,6 @@ import torch
 from kvshare.quant import FP4_GRID
 
 GROUP = 16   # outputs per vector group
-KCHUNK = 32  # bf16 padding unit along K
 MAX_BLOCK = 256  # largest scale block along K (csrc MAX_BLOCK)
 FORMAT_ID = {"bf16": 0, "fp32": 1, "fp8": 2, "fp4": 3}
 
@@ -41,6 +40,11 @@ class Packed:
     block: int
     data: torch.Tensor
     exps: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """[n, k]: the shape of the weight it stands for (so shape checks treat it like a tensor)."""
+        return torch.Size((self.n, self.k))
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +80,7 @@ def pack_bf16(w: torch.Tensor) -> Packed:
     """Pack a weight [N, K] (any float dtype; rounded to bf16) for bf16 activations."""
     _check_2d("weight", w)
     n, k = w.shape
-    nb, kp = _groups(n), math.ceil(k / KCHUNK) * KCHUNK
+    nb, kp = _groups(n), k + k % 2
     wp = _pad2(w.detach().to("cpu", torch.bfloat16), nb * GROUP, kp).view(torch.int16)
     data = wp.reshape(nb, GROUP, kp // 2, 2).permute(0, 2, 1, 3).contiguous().view(torch.int32)
     return Packed("bf16", n, k, kp, 0, data.reshape(nb, kp // 2, GROUP), _no_exps())
@@ -129,7 +133,7 @@ def pack_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -
         raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not fit weight {(n, k)} with block "
                          f"{tuple(block)} (expected {want})")
     nb, kb = _groups(n), want[1]
-    kp = kb * bi
+    kp = k + k % 2
     exps = _lane_exps(scale_exponents(scale, "FP8").repeat_interleave(bo, dim=0), n, nb, kb)
     c = _pad2(codes.detach().to("cpu").view(torch.uint8), nb * GROUP, kp)
     data = c.reshape(nb, GROUP, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
@@ -156,7 +160,7 @@ def pack_fp4(packed: torch.Tensor, scale: torch.Tensor) -> Packed:
 def _exp_rows(p: Packed) -> torch.Tensor:
     """Per-output scale [n, K] as fp32, expanded from the lane exponents."""
     e = p.exps.permute(0, 2, 1).reshape(-1, p.exps.shape[1])[: p.n].to(torch.int32) - 127
-    return torch.ldexp(torch.ones(()), e.float()).repeat_interleave(p.block, dim=1)[:, : p.k]
+    return torch.exp2(e.float()).repeat_interleave(p.block, dim=1)[:, : p.k]
 
 
 def dequantize(p: Packed) -> torch.Tensor:

@@ -27,9 +27,15 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   TORCH_CHECK(x.scalar_type() == (f32 ? torch::kFloat32 : torch::kBFloat16),
               "kernels.gemm: activation dtype ", x.scalar_type(), " does not fit format ", fmt);
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "kernels.gemm: unknown format ", fmt);
-  TORCH_CHECK(f32 || fmt != kk::FMT_BF16 || (kp % 32 == 0 && kp >= k), "kernels.gemm: bad padded K ", kp);
-  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || (bk >= 2 && bk <= 256 && bk % 2 == 0 && kp % bk == 0 && kp >= k),
-              "kernels.gemm: bad scale block ", bk, " for padded K ", kp);
+  TORCH_CHECK(f32 || (kp % 2 == 0 && kp >= k && kp - k < 2), "kernels.gemm: bad padded K ", kp);
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || (bk >= 2 && bk <= 256 && bk % 2 == 0),
+              "kernels.gemm: bad scale block ", bk);
+  const int64_t n_groups = (n + 15) / 16;
+  const int64_t w_bytes = f32 ? n_groups * k * 16 * 4 : n_groups * (kp / 2) * 16 * (fmt == kk::FMT_FP8 ? 2 : 4) / (fmt == kk::FMT_FP4 ? 4 : 1);
+  TORCH_CHECK(w.numel() * w.element_size() == w_bytes, "kernels.gemm: packed weight has ", w.numel() * w.element_size(),
+              " bytes, expected ", w_bytes);
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || exps.numel() == n_groups * ((kp + bk - 1) / bk) * 16,
+              "kernels.gemm: scale exponents have ", exps.numel(), " entries");
   const int64_t m = x.size(0);
   torch::Tensor xin;
   if (f32) {

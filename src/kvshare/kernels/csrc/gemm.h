@@ -12,7 +12,7 @@ enum Format : int { FMT_BF16 = 0, FMT_FP32 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
 //   FMT_FP8:  w uint8 [NB][P][16][2]  (e4m3 codes, k = 2p first), exps uint8 [NB][KB][16]
 //   FMT_FP4:  w uint8 [NB][P][16]     (e2m1 pair: k = 2p low nibble), exps uint8 [NB][KB][16]
 //   FMT_FP32: w float [NB][K][16]
-// x: bf16 [M][KP] zero-padded (FP32: float [M][K]); y: bf16 [M][N] (FP32: float [M][N]).
+// x: bf16 [M][KP] (zero-padded) (FP32: float [M][K]); y: bf16 [M][N] (FP32: float [M][N]).
 struct GemmArgs {
   int fmt;
   const void* x;

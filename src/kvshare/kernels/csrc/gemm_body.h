@@ -105,7 +105,7 @@ static void gemm_pairs(const GemmArgs& a) {
         const int64_t n_p = min64(pb, P - p0);
         for (int g = 0; g < g_count; ++g) {
           wb[g] = block_weights(a, nb + g, p0, n_p, buf[g]);
-          if (scaled) scale[g] = vexp2(a.exps + ((nb + g) * (a.KP / a.bk) + kb) * 16);
+          if (scaled) scale[g] = vexp2(a.exps + ((nb + g) * ((a.KP + a.bk - 1) / a.bk) + kb) * 16);
         }
         if (g_count == NR) {
           if (scaled) rows_tile<NR, true>(ms, xr, p0, n_p, wb, scale, tot);
