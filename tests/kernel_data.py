@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.kernels import Packed, dequantize
+from kvshare.kernels.packed import row_exponents
 
 
 def fp8_valued(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -56,8 +57,7 @@ def emulate(x: torch.Tensor, p: Packed) -> torch.Tensor:
         ws[:, :k] = w
         scale = None
     else:  # the codes (unscaled) and the per-(row, block) scale
-        e = p.exps.permute(0, 2, 1).reshape(-1, p.exps.shape[1])[:n].double() - 127
-        scale = torch.exp2(e)
+        scale = torch.exp2(row_exponents(p).double())
         ws[:, :k] = w / scale.repeat_interleave(p.block, dim=1)[:, :k]
     block = p.block or kp
     total = torch.zeros(m, n, dtype=torch.float64)

@@ -22,8 +22,8 @@ def _case(fmt: str, gen: torch.Generator, n: int = N_ODD, k: int = K_ODD):
     if fmt == "bf16":
         w = exact_bf16_weight(n, k, gen)
         return kernels.pack_bf16(w), w.float()
-    if fmt == "fp8":
-        block = (16, 64)
+    if fmt.startswith("fp8"):
+        block = (16, 64) if fmt == "fp8" else (8, 32)  # one scale per 16-row group / per row
         codes = e4m3_codes(n, k, gen)
         scale = pow2_scales((-(-n // block[0]), -(-k // block[1])), gen)
         return kernels.pack_fp8(codes, scale, block), dequant_fp8_weight(codes, scale, block)
@@ -36,7 +36,7 @@ def _case(fmt: str, gen: torch.Generator, n: int = N_ODD, k: int = K_ODD):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4", "fp32"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-rows", "fp4", "fp32"])
 def test_exact_data_equals_dequantise_then_linear(fmt: str, isa: str) -> None:
     """Every product is a multiple of 2^-13 or coarser and every |partial sum| < 2^11 (bounds of
     kernel_data), so any summation order is exact: the kernel must equal F.linear bit for bit

@@ -5,9 +5,10 @@ Layouts (NB = ceil(N / 16) groups of 16 outputs, zero-padded; see csrc/gemm.h):
 * ``bf16``: int32 [NB, KP / 2, 16], a bf16 pair (k = 2p low half, 2p + 1 high) per output and pair;
   KP = K rounded up to even, padded with zeros.
 * ``fp32``: float32 [NB, K, 16].
-* ``fp8``: uint8 [NB, KP / 2, 16, 2] e4m3 codes; ``exps`` uint8 [NB, ceil(K / bk), 16]: the ue8m0 exponent
-  (scale 2^(e - 127)) of each output row and K block of `bk` (the checkpoint's 128 x 128 block
-  scale repeated for the 16-row groups: +1/bk byte per weight, 0.8% at bk = 128).
+* ``fp8``: uint8 [NB, KP / 2, 16, 2] e4m3 codes; ``exps`` uint8 [NB, ceil(K / bk)]: the ue8m0 exponent
+  (scale 2^(e - 127)) of each 16-row group and K block of `bk` when the checkpoint's row block is a
+  multiple of 16 (128 x 128 in the release: the checkpoint's scale bytes, repeated 8 times), else
+  [NB, ceil(K / bk), 16], one per row.
 * ``fp4``: uint8 [NB, KP / 2, 16] e2m1 pairs as stored (low nibble = even k); ``exps`` as for fp8 with
   bk = 32 (the checkpoint's own scale bytes): 4.25 bits per weight, exactly the checkpoint's.
 
@@ -134,7 +135,11 @@ def pack_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -
                          f"{tuple(block)} (expected {want})")
     nb, kb = _groups(n), want[1]
     kp = k + k % 2
-    exps = _lane_exps(scale_exponents(scale, "FP8").repeat_interleave(bo, dim=0), n, nb, kb)
+    e = scale_exponents(scale, "FP8")
+    if bo % GROUP == 0:  # each 16-row group lies inside one row block
+        exps = e[torch.arange(nb) * GROUP // bo].contiguous()
+    else:
+        exps = _lane_exps(e.repeat_interleave(bo, dim=0), n, nb, kb)
     c = _pad2(codes.detach().to("cpu").view(torch.uint8), nb * GROUP, kp)
     data = c.reshape(nb, GROUP, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
     return Packed("fp8", n, k, kp, bi, data, exps)
@@ -157,10 +162,18 @@ def pack_fp4(packed: torch.Tensor, scale: torch.Tensor) -> Packed:
     return Packed("fp4", n, k, k, block, data, exps)
 
 
+def row_exponents(p: Packed) -> torch.Tensor:
+    """Unbiased scale exponents [n, ceil(k / block)] (int32) of an FP8 / FP4 `Packed`, per output row."""
+    if p.exps.dim() == 2:  # one per 16-row group
+        e = p.exps.repeat_interleave(GROUP, dim=0)
+    else:
+        e = p.exps.permute(0, 2, 1).reshape(-1, p.exps.shape[1])
+    return e[: p.n].to(torch.int32) - 127
+
+
 def _exp_rows(p: Packed) -> torch.Tensor:
-    """Per-output scale [n, K] as fp32, expanded from the lane exponents."""
-    e = p.exps.permute(0, 2, 1).reshape(-1, p.exps.shape[1])[: p.n].to(torch.int32) - 127
-    return torch.exp2(e.float()).repeat_interleave(p.block, dim=1)[:, : p.k]
+    """Per-output scale [n, K] as fp32, expanded from the exponents."""
+    return torch.exp2(row_exponents(p).float()).repeat_interleave(p.block, dim=1)[:, : p.k]
 
 
 def dequantize(p: Packed) -> torch.Tensor:

@@ -34,7 +34,9 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   const int64_t w_bytes = f32 ? n_groups * k * 16 * 4 : n_groups * (kp / 2) * 16 * (fmt == kk::FMT_FP8 ? 2 : 4) / (fmt == kk::FMT_FP4 ? 4 : 1);
   TORCH_CHECK(w.numel() * w.element_size() == w_bytes, "kernels.gemm: packed weight has ", w.numel() * w.element_size(),
               " bytes, expected ", w_bytes);
-  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || exps.numel() == n_groups * ((kp + bk - 1) / bk) * 16,
+  const int64_t n_exps = (fmt == kk::FMT_BF16 || f32) ? 0 : n_groups * ((kp + bk - 1) / bk);
+  const bool group_exps = fmt == kk::FMT_FP8 && exps.numel() == n_exps;
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || group_exps || exps.numel() == n_exps * 16,
               "kernels.gemm: scale exponents have ", exps.numel(), " entries");
   const int64_t m = x.size(0);
   torch::Tensor xin;
@@ -52,7 +54,7 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   TORCH_CHECK(cpu_has(wide ? "avx512bf16" : "avx2"), "kernels.gemm: this CPU lacks ", isa);
   const int64_t nb = (n + 15) / 16;
   kk::GemmArgs base{static_cast<int>(fmt), xin.data_ptr(), w.data_ptr(),
-                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb};
+                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb, group_exps ? 1 : 0};
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
     kk::GemmArgs a = base;
     a.nb0 = lo * 2;

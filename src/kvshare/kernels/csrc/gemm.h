@@ -9,7 +9,8 @@ enum Format : int { FMT_BF16 = 0, FMT_FP32 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
 // One call computes y[m, n] for every row m < M and every output n of the 16-wide groups
 // [nb0, nb1). Layouts (NB = ceil(N / 16), P = KP / 2 pairs, KB = KP / bk blocks):
 //   FMT_BF16: w int32 [NB][P][16]     (a bf16 pair per dword: k = 2p low half, 2p + 1 high half)
-//   FMT_FP8:  w uint8 [NB][P][16][2]  (e4m3 codes, k = 2p first), exps uint8 [NB][KB][16]
+//   FMT_FP8:  w uint8 [NB][P][16][2]  (e4m3 codes, k = 2p first), exps uint8 [NB][KB][16], or
+//             [NB][KB] when group_exps (one scale for the 16 rows of a group: 128-row blocks)
 //   FMT_FP4:  w uint8 [NB][P][16]     (e2m1 pair: k = 2p low nibble), exps uint8 [NB][KB][16]
 //   FMT_FP32: w float [NB][K][16]
 // x: bf16 [M][KP] (zero-padded) (FP32: float [M][K]); y: bf16 [M][N] (FP32: float [M][N]).
@@ -21,6 +22,7 @@ struct GemmArgs {
   void* y;
   int64_t M, N, K, KP, bk;
   int64_t nb0, nb1;
+  int group_exps;
 };
 
 void gemm_avx512(const GemmArgs* a);

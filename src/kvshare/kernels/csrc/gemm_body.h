@@ -12,6 +12,14 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// ue8m0 byte -> 2^(e - 127) (e = 0: the subnormal 2^-127), as vexp2 does per lane.
+static inline float exp2_byte(uint8_t e) {
+  const uint32_t bits = e ? static_cast<uint32_t>(e) << 23 : 0x00400000u;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
 constexpr int NR = 2;     // 16-lane output groups per tile
 constexpr int MS = 64;
 constexpr int MAX_BLOCK = 256;  // largest scale block along K    // rows whose totals are kept while a weight block is decoded once
@@ -105,7 +113,11 @@ static void gemm_pairs(const GemmArgs& a) {
         const int64_t n_p = min64(pb, P - p0);
         for (int g = 0; g < g_count; ++g) {
           wb[g] = block_weights(a, nb + g, p0, n_p, buf[g]);
-          if (scaled) scale[g] = vexp2(a.exps + ((nb + g) * ((a.KP + a.bk - 1) / a.bk) + kb) * 16);
+          if (scaled) {
+            const int64_t blocks = (a.KP + a.bk - 1) / a.bk;
+            scale[g] = a.group_exps ? vbcast(exp2_byte(a.exps[(nb + g) * blocks + kb]))
+                                    : vexp2(a.exps + ((nb + g) * blocks + kb) * 16);
+          }
         }
         if (g_count == NR) {
           if (scaled) rows_tile<NR, true>(ms, xr, p0, n_p, wb, scale, tot);
