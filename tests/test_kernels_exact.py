@@ -61,7 +61,8 @@ def test_exact_data_equals_dequantise_then_linear(fmt: str, isa: str) -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
 def test_raw_data_follows_the_documented_order(fmt: str, isa: str) -> None:
     """On raw (inexact) bf16 activations the native result is bitwise the float64 emulation of
-    the documented order (odd k before even k, fp32 rounding per add, per-block scaling)."""
+    the documented order (odd k before even k, fp32 rounding per add, per-block scaling), both
+    the fp32 totals (sensitive: a changed order shows in most outputs) and the bf16 output."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(N_ODD, 256, generator=gen) * 0.05
     if fmt == "bf16":
@@ -71,7 +72,9 @@ def test_raw_data_follows_the_documented_order(fmt: str, isa: str) -> None:
     else:
         p = kernels.pack_fp4(fp4_pairs(N_ODD, 256, gen), pow2_scales((N_ODD, 8), gen))
     x = torch.randn(9, p.k, generator=gen).to(torch.bfloat16)
-    assert torch.equal(kernels.linear(x, p, isa=isa), emulate(x, p).to(torch.bfloat16))
+    want = emulate(x, p)
+    assert torch.equal(kernels.linear(x, p, isa=isa, fp32_totals=True), want)
+    assert torch.equal(kernels.linear(x, p, isa=isa), want.to(torch.bfloat16))
 
 
 def test_emulation_catches_a_swapped_pair_order() -> None:
@@ -104,7 +107,8 @@ def test_raw_bf16_difference_to_onednn(isa: str) -> None:
 
 
 def test_native_paths_agree_on_raw_data() -> None:
-    """AVX-512 BF16 and AVX2 give the same bits on normal-range data, every format."""
+    """AVX-512 BF16 and AVX2 give the same bits on normal-range data, every format (outputs and
+    the fp32 totals before rounding)."""
     if len(NATIVE) < 2:
         pytest.skip("needs both native paths")
     gen = torch.Generator().manual_seed(3)
@@ -115,3 +119,31 @@ def test_native_paths_agree_on_raw_data() -> None:
     for p, dt in cases:
         x = torch.randn(19, 320, generator=gen).to(dt)
         assert torch.equal(kernels.linear(x, p, isa="avx512"), kernels.linear(x, p, isa="avx2")), p.fmt
+        totals = [kernels.linear(x, p, isa=i, fp32_totals=True) for i in ("avx512", "avx2")]
+        assert torch.equal(*totals), p.fmt
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_code_decodes_to_its_value(isa: str) -> None:
+    """One-hot activations read single weights: every e4m3 code (subnormals included, NaNs
+    excluded) and every e2m1 code comes out as torch's / the spec's value times its scale,
+    including the smallest ue8m0 scale 2^-127 (exponent byte 0) and per-row and per-group scales.
+    The torch path gets no scale below 2^-100: it multiplies the dequantised bf16 weight, and
+    oneDNN's bf16 GEMM flushes subnormal bf16 weights to zero (the native paths scale in fp32)."""
+    floor = 27 if isa == "torch" else 0
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[codes == 0x7F] = 0
+    codes[codes == 0xFF] = 0
+    fp8 = codes.view(torch.float8_e4m3fn).expand(32, 256).contiguous()
+    for block, exps in (((16, 128), [[127, 120], [130, 127]]), ((8, 128), [[127, 0], [130, 127], [1, 2], [127, 127]])):
+        scale = torch.tensor(exps, dtype=torch.uint8).clamp_min(floor).view(torch.float8_e8m0fnu)
+        y = kernels.linear(eye, kernels.pack_fp8(fp8, scale, block), isa=isa)
+        want = dequant_fp8_weight(fp8, scale, block).t().to(torch.bfloat16)
+        assert torch.equal(y, want), block
+    pairs = (torch.arange(256, dtype=torch.int32) % 256).to(torch.uint8).view(torch.int8)
+    w4 = pairs.reshape(1, 256).expand(16, 256).contiguous()  # every (even, odd) code pair once per row
+    s4 = torch.tensor([[0, 127, 1, 250, 127, 126, 127, 131] * 2] * 16, dtype=torch.uint8).clamp_min(floor)
+    s4 = s4.view(torch.float8_e8m0fnu)
+    y = kernels.linear(torch.eye(512, dtype=torch.bfloat16), kernels.pack_fp4(w4, s4), isa=isa)
+    assert torch.equal(y, dequant_fp4_weight(w4, s4).t().to(torch.bfloat16))

@@ -46,9 +46,10 @@ def pack(w: torch.Tensor) -> Packed:
     return pack_fp32(w) if w.dtype in (torch.float32, torch.float64) else pack_bf16(w)
 
 
-def linear(x: torch.Tensor, p: Packed, isa: str | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, p: Packed, isa: str | None = None, fp32_totals: bool = False) -> torch.Tensor:
     """``x @ W^T`` for x [..., K] in `p.act_dtype` (see the module doc for the order); `isa` forces a
-    code path ("avx512", "avx2", "torch"; default `isa()`)."""
+    code path ("avx512", "avx2", "torch"; default `isa()`). `fp32_totals` (native paths): return the
+    fp32 sums before the bf16 rounding (tests check the order with them)."""
     if x.dtype != p.act_dtype:
         raise ValueError(f"kernels.linear: x has dtype {x.dtype}, the {p.fmt} weight takes {p.act_dtype}")
     if x.shape[-1] != p.k:
@@ -57,10 +58,12 @@ def linear(x: torch.Tensor, p: Packed, isa: str | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, p.k)
     path = isa or best_isa()
     if path == "torch":
+        if fp32_totals:
+            raise ValueError("kernels.linear: fp32_totals needs a native path")
         y = fallback.linear(x2, p)
     else:
         lib = library()
         if lib is None:
             raise RuntimeError(f"kernels.linear: isa {path!r} asked for, but the native library is unavailable")
-        y = lib.gemm(x2, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, path)
+        y = lib.gemm(x2, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, path, fp32_totals)
     return y.reshape(*lead, p.n)

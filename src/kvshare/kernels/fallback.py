@@ -9,7 +9,9 @@ take bf16 memory in addition to their packed bytes.
 Where it can differ from the native kernels: torch's GEMV sums K in its own order (and may split
 K over threads), so on inexact sums the last bit can differ from the native path's fixed order;
 where every partial sum is exact (e.g. FP8-valued activations times FP8/FP4 weights of bounded
-range) the results are bitwise equal (tests/test_kernels_exact.py).
+range) the results are bitwise equal (tests/test_kernels_exact.py). A dequantised weight that is
+subnormal in bf16 (a code times a scale below about 2^-120) is flushed to zero by oneDNN's bf16
+GEMM, where the native paths apply the scale in fp32 and keep it.
 """
 
 from __future__ import annotations

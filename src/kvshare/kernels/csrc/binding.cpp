@@ -18,8 +18,9 @@ static bool cpu_has(const char* what) {
 }
 
 // x: [M, K] bf16 (FP32 format: fp32); w / exps: the packed layout of gemm.h; isa: "avx512" | "avx2".
+// out_f32: return the fp32 totals instead of bf16 (bf16-activation formats; for tests).
 static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t fmt, int64_t n,
-                          int64_t k, int64_t kp, int64_t bk, const std::string& isa) {
+                          int64_t k, int64_t kp, int64_t bk, const std::string& isa, bool out_f32) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kernels.gemm: x must be [M, ", k, "], got ", x.sizes());
   TORCH_CHECK(w.is_contiguous() && exps.is_contiguous(), "kernels.gemm: packed weight must be contiguous");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kernels.gemm: CPU tensors only");
@@ -46,7 +47,7 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
     xin = torch::zeros({m, kp}, x.options());
     xin.narrow(1, 0, k).copy_(x);
   }
-  auto y = torch::empty({m, n}, x.options());
+  auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
   const bool wide = isa == "avx512";
@@ -54,7 +55,7 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   TORCH_CHECK(cpu_has(wide ? "avx512bf16" : "avx2"), "kernels.gemm: this CPU lacks ", isa);
   const int64_t nb = (n + 15) / 16;
   kk::GemmArgs base{static_cast<int>(fmt), xin.data_ptr(), w.data_ptr(),
-                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb, group_exps ? 1 : 0};
+                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb, group_exps ? 1 : 0, out_f32 && !f32 ? 1 : 0};
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
     kk::GemmArgs a = base;
     a.nb0 = lo * 2;

@@ -23,6 +23,7 @@ struct GemmArgs {
   int64_t M, N, K, KP, bk;
   int64_t nb0, nb1;
   int group_exps;
+  int out_f32;
 };
 
 void gemm_avx512(const GemmArgs* a);

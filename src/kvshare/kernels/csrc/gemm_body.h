@@ -90,7 +90,13 @@ static void store_rows(const GemmArgs& a, int64_t m0, int64_t ms, int64_t nb, in
     for (int g = 0; g < g_count; ++g) {
       const int64_t n0 = (nb + g) * 16;
       const int n = static_cast<int>(min64(16, a.N - n0));
-      store_bf16(static_cast<uint16_t*>(a.y) + (m0 + r) * a.N + n0, tot + (r * NR + g) * 16, n);
+      const float* t = tot + (r * NR + g) * 16;
+      if (a.out_f32) {
+        float* y = static_cast<float*>(a.y) + (m0 + r) * a.N + n0;
+        for (int i = 0; i < n; ++i) y[i] = t[i];
+      } else {
+        store_bf16(static_cast<uint16_t*>(a.y) + (m0 + r) * a.N + n0, t, n);
+      }
     }
 }
 
