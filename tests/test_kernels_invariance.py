@@ -14,11 +14,15 @@ ROW_COUNTS = (1, 2, 7, 8, 33, 300)  # 300: a prefill-sized call (more than one 6
 
 
 def _packs(gen: torch.Generator) -> list[kernels.Packed]:
-    n, k = 45, 231  # odd: partial 16-output groups, partial K chunks and scale blocks
-    w = torch.randn(n, k, generator=gen) * 0.05
-    return [kernels.pack_bf16(w), kernels.pack_fp32(w),
-            kernels.pack_fp8(e4m3_codes(n, k, gen), pow2_scales((1, 2), gen), (128, 128)),
-            kernels.pack_fp4(fp4_pairs(n, 224, gen), pow2_scales((n, 7), gen))]
+    """Odd N (partial 16-output groups); K = 231 (partial chunks and scale blocks: the AVX-512
+    path under "amx") and K = 224 (whole 32-input tiles, a partial 128-block: served by AMX)."""
+    n = 45
+    out = []
+    for k in (231, 224):
+        w = torch.randn(n, k, generator=gen) * 0.05
+        out += [kernels.pack_bf16(w), kernels.pack_fp8(e4m3_codes(n, k, gen), pow2_scales((1, 2), gen), (128, 128))]
+    w = torch.randn(n, 231, generator=gen) * 0.05
+    return out + [kernels.pack_fp32(w), kernels.pack_fp4(fp4_pairs(n, 224, gen), pow2_scales((n, 7), gen))]
 
 
 @pytest.mark.parametrize("isa", ISAS)

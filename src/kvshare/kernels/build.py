@@ -6,8 +6,9 @@ hash and the torch version, so a later process (or test) loads the cached librar
 A machine without a compiler or ninja, or any build error, gets ``None`` here and a single
 ``logging.warning``; callers then use the pure-torch path (`fallback.py`). Nothing raises.
 
-Code path (`isa`): ``"avx512"`` (AVX-512 BF16: ``vdpbf16ps``) where the CPU has it, else ``"avx2"``
-(AVX2 + FMA), else ``"torch"``. torch's own switch ``ATEN_CPU_CAPABILITY=avx2`` caps it at AVX2 and
+Code path (`isa`): ``"amx"`` (AMX-BF16 tiles for weights whose K is a multiple of 32, AVX-512 BF16
+for the others) where the CPU and OS allow it, else ``"avx512"`` (AVX-512 BF16: ``vdpbf16ps``), else
+``"avx2"`` (AVX2 + FMA), else ``"torch"``. torch's own switch ``ATEN_CPU_CAPABILITY=avx2`` caps it at AVX2 and
 ``=default`` at the torch path, so the suite can run each path on one machine;
 ``KVSHARE_KERNELS=off`` also selects the torch path.
 """
@@ -26,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp")
+SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp")
 _HEADERS = ("gemm.h", "gemm_body.h")
 
 
@@ -67,13 +68,15 @@ def library() -> ModuleType | None:
 
 @lru_cache(maxsize=1)
 def best_isa() -> str:
-    """The code path used by default (see module doc): "avx512", "avx2" or "torch"."""
+    """The code path used by default (see module doc): "amx", "avx512", "avx2" or "torch"."""
     lib = library()
     if lib is None:
         return "torch"
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if cap == "default":
         return "torch"
+    if cap != "avx2" and lib.cpu_has("amx"):
+        return "amx"
     if cap != "avx2" and lib.cpu_has("avx512bf16"):
         return "avx512"
     if lib.cpu_has("avx2"):
@@ -85,5 +88,6 @@ def best_isa() -> str:
 def supported_isas() -> list[str]:
     """Every code path this machine can run (for tests comparing them), best first."""
     lib = library()
-    out = [] if lib is None else [i for i, f in (("avx512", "avx512bf16"), ("avx2", "avx2")) if lib.cpu_has(f)]
+    pairs = (("amx", "amx"), ("avx512", "avx512bf16"), ("avx2", "avx2"))
+    out = [] if lib is None else [i for i, f in pairs if lib.cpu_has(f)]
     return out + ["torch"]

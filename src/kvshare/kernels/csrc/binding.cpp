@@ -12,6 +12,11 @@ static bool cpu_has(const char* what) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512bf16");
+  if (std::string(what) == "amx") {
+    static const bool ok = cpu_has("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+                           __builtin_cpu_supports("amx-bf16") && kk::amx_enable();
+    return ok;
+  }
   if (std::string(what) == "avx2")
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return false;
@@ -40,19 +45,22 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || group_exps || exps.numel() == n_exps * 16,
               "kernels.gemm: scale exponents have ", exps.numel(), " entries");
   const int64_t m = x.size(0);
+  // AMX serves a weight when its K and scale blocks fit whole tiles (a property of the weight,
+  // never of the row count); other weights take the AVX-512 path.
+  const bool amx = isa == "amx" && !f32 && kp % 32 == 0 && (fmt == kk::FMT_BF16 || bk % 32 == 0);
   torch::Tensor xin;
   if (f32) {
     xin = x.contiguous();
   } else {
-    xin = torch::zeros({m, kp}, x.options());
-    xin.narrow(1, 0, k).copy_(x);
+    xin = torch::zeros({amx ? (m + 15) / 16 * 16 : m, kp}, x.options());
+    xin.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
   }
   auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (m == 0 || n == 0) return y;
   if (k == 0) return y.zero_();
-  const bool wide = isa == "avx512";
+  const bool wide = isa == "avx512" || isa == "amx";
   TORCH_CHECK(wide || isa == "avx2", "kernels.gemm: unknown isa ", isa);
-  TORCH_CHECK(cpu_has(wide ? "avx512bf16" : "avx2"), "kernels.gemm: this CPU lacks ", isa);
+  TORCH_CHECK(cpu_has(isa == "amx" ? "amx" : (wide ? "avx512bf16" : "avx2")), "kernels.gemm: this CPU lacks ", isa);
   const int64_t nb = (n + 15) / 16;
   kk::GemmArgs base{static_cast<int>(fmt), xin.data_ptr(), w.data_ptr(),
                     exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb, group_exps ? 1 : 0, out_f32 && !f32 ? 1 : 0};
@@ -60,7 +68,8 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
     kk::GemmArgs a = base;
     a.nb0 = lo * 2;
     a.nb1 = std::min(hi * 2, nb);
-    if (wide) kk::gemm_avx512(&a);
+    if (amx) kk::gemm_amx(&a);
+    else if (wide) kk::gemm_avx512(&a);
     else kk::gemm_avx2(&a);
   });
   return y;
