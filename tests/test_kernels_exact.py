@@ -131,9 +131,10 @@ def test_every_code_decodes_to_its_value(isa: str) -> None:
     """One-hot activations read single weights: every e4m3 code (subnormals included, NaNs
     excluded) and every e2m1 code comes out as torch's / the spec's value times its scale,
     including the smallest ue8m0 scale 2^-127 (exponent byte 0) and per-row and per-group scales.
-    The torch path gets no scale below 2^-100: it multiplies the dequantised bf16 weight, and
-    oneDNN's bf16 GEMM flushes subnormal bf16 weights to zero (the native paths scale in fp32)."""
-    floor = 27 if isa == "torch" else 0
+    The torch and AMX paths get no scale below 2^-100: they multiply the dequantised (scaled) bf16
+    weight, and oneDNN's bf16 GEMM and AMX read subnormal bf16 weights as zero (the AVX-512 and
+    AVX2 paths scale in fp32)."""
+    floor = 27 if isa in ("torch", "amx") else 0
     eye = torch.eye(256, dtype=torch.bfloat16)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes[codes == 0x7F] = 0

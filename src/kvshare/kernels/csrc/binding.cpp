@@ -52,7 +52,7 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   if (f32) {
     xin = x.contiguous();
   } else {
-    xin = torch::zeros({amx ? (m + 15) / 16 * 16 : m, kp}, x.options());
+    xin = torch::zeros({amx ? (m + 31) / 32 * 32 : m, kp}, x.options());
     xin.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
   }
   auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));

@@ -28,7 +28,7 @@ struct GemmArgs {
 
 void gemm_avx512(const GemmArgs* a);
 void gemm_avx2(const GemmArgs* a);
-// AMX (gemm_amx.cpp): x padded to a multiple of 16 rows; needs KP % 32 == 0 and, scaled, bk % 32 == 0.
+// AMX (gemm_amx.cpp): x padded to a multiple of 32 rows; needs KP % 32 == 0 and, scaled, bk % 32 == 0.
 void gemm_amx(const GemmArgs* a);
 bool amx_enable();
 

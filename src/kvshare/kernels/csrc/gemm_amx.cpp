@@ -1,11 +1,13 @@
-// AMX path (Sapphire Rapids and later): TDPBF16PS on 16-row tiles. Every call, whatever its row
-// count, runs the same 16-row tiles (x is zero-padded to a multiple of 16 rows), and each C
-// element depends only on its own A row, so a row's result does not depend on M, its position
-// or the other rows. The order inside TDPBF16PS is the hardware's (not vdpbf16ps's): this path
-// is its own code path ("amx"), bitwise equal to the others where the sums are exact.
-// Scaled formats: each scale block is summed from zero in tiles, then total += block * 2^e with
-// AVX-512 in the fixed order. Needs K (padded) a multiple of 32 and scale blocks a multiple of
-// 32; the caller uses the AVX-512 path otherwise (a property of the weight, never of M).
+// AMX path (Sapphire Rapids and later): TDPBF16PS on tiles of 32 rows x 32 outputs (four 16 x 16
+// C tiles). Every call, whatever its row count, runs the same tiles (x is zero-padded to a
+// multiple of 32 rows), and each C element depends only on its own A row, so a row's result does
+// not depend on M, its position or the other rows. The order inside TDPBF16PS is the hardware's
+// (not vdpbf16ps's): this path is its own code path ("amx"), bitwise equal to the others where
+// the sums are exact. FP8 / FP4 weights are decoded once per 32 outputs into bf16 with their
+// scale applied (exact while code * 2^e is a normal bf16; AMX reads subnormal bf16 as zero, so a
+// scale below about 2^-117 flushes where the other paths keep it), then summed over all of K
+// like bf16 weights. Needs K (padded) a multiple of 32 and scale blocks a multiple of 32 pairs'
+// tiles (bk % 32 == 0); the caller uses the AVX-512 path otherwise (a property of the weight).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2,f16c,amx-tile,amx-bf16")
 #include <immintrin.h>
 #include <stdlib.h>
@@ -44,6 +46,14 @@ static inline WP wp_fp4(const uint8_t* p) {
   return _mm512_permutexvar_epi16(idx, _mm512_load_si512(table));
 }
 
+// bf16 pairs times a per-lane fp32 power of two, back to bf16 (exact for normal results).
+static inline WP scale_pairs(WP w, __m512 s) {
+  const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), s);
+  const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))), s);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(static_cast<int>(0xffff0000u))),
+                         _mm512_srli_epi32(_mm512_castps_si512(even), 16));
+}
+
 static inline __m512 exp2_lanes(const uint8_t* e) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
   const __mmask16 zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
@@ -73,7 +83,7 @@ static void configure() {
   alignas(64) TileConfig cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
-  for (int t = 0; t < 5; ++t) {  // 0, 1: C (16 x 16 fp32); 2: A (16 rows x 16 pairs); 3, 4: B (16 pairs x 16 lanes)
+  for (int t = 0; t < 8; ++t) {  // 0-3: C (16 x 16 fp32); 4, 5: A (16 rows x 16 pairs); 6, 7: B (16 pairs x 16 lanes)
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
@@ -86,52 +96,59 @@ static inline const uint8_t* group_pairs(const GemmArgs& a, int64_t nb, int64_t 
   return static_cast<const uint8_t*>(a.w) + (nb * (a.KP / 2) + p) * pb;
 }
 
-template <int G>
-static void tile_rows(const GemmArgs& a, int64_t m0, const uint8_t* const* wsrc, int64_t nb, float* tot, float* blk) {
-  const bool scaled = a.fmt != FMT_BF16;
-  const int64_t P = a.KP / 2;
-  const int64_t pairs_per_block = scaled ? a.bk / 2 : P;
-  const int64_t blocks = scaled ? (a.KP + a.bk - 1) / a.bk : 1;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.KP;
-  for (int i = 0; i < 16 * 32; ++i) tot[i] = 0.0f;
+// Group nb's weights as scaled bf16 pairs [P][16] into dst.
+static void decode_group(const GemmArgs& a, int64_t nb, WP* dst) {
+  const int64_t P = a.KP / 2, pairs_per_block = a.bk / 2, blocks = (a.KP + a.bk - 1) / a.bk;
+  const uint8_t* src = group_pairs(a, nb, 0);
+  const int64_t step = a.fmt == FMT_FP8 ? 32 : 16;
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    _tile_zero(0);
-    _tile_zero(1);
+    const int64_t e = nb * blocks + kb;
+    const __m512 s = a.group_exps ? exp2_one(a.exps[e]) : exp2_lanes(a.exps + e * 16);
     const int64_t p_end = min64(P, (kb + 1) * pairs_per_block);
-    for (int64_t p0 = kb * pairs_per_block; p0 < p_end; p0 += 16) {
-      if (!scaled && m0 == 0 && p0 + 64 < P)  // bf16 streams from memory: 4 KiB ahead
-        for (int g = 0; g < G; ++g)
-          for (int l = 0; l < 16; ++l) __builtin_prefetch(wsrc[g] + (p0 + 64) * 64 + l * 64, 0, 3);
-      _tile_loadd(2, x + 2 * p0, a.KP * 2);
-      _tile_loadd(3, wsrc[0] + p0 * 64, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      if (G == 2) {
-        _tile_loadd(4, wsrc[1] + p0 * 64, 64);
-        _tile_dpbf16ps(1, 2, 4);
-      }
-    }
-    if (!scaled) {
-      _tile_stored(0, tot, 128);
-      if (G == 2) _tile_stored(1, tot + 16, 128);
-      break;
-    }
-    _tile_stored(0, blk, 128);
-    if (G == 2) _tile_stored(1, blk + 16, 128);
-    for (int g = 0; g < G; ++g) {
-      const int64_t e = (nb + g) * blocks + kb;
-      const __m512 s = a.group_exps ? exp2_one(a.exps[e]) : exp2_lanes(a.exps + e * 16);
-      for (int r = 0; r < 16; ++r) {
-        float* t = tot + r * 32 + g * 16;
-        _mm512_storeu_ps(t, _mm512_fmadd_ps(_mm512_loadu_ps(blk + r * 32 + g * 16), s, _mm512_loadu_ps(t)));
-      }
+    for (int64_t p = kb * pairs_per_block; p < p_end; ++p) {
+      if ((p & 3) == 0 && p + 128 < P) __builtin_prefetch(src + (p + 128) * step, 0, 3);
+      dst[p] = scale_pairs(a.fmt == FMT_FP8 ? wp_fp8(src + step * p) : wp_fp4(src + step * p), s);
     }
   }
-  const int64_t rows = min64(16, a.M - m0);
+}
+
+// Rows [m0, m0 + 32) x the G groups of wsrc: four C tiles over all of K.
+template <int G>
+static void tile_rows(const GemmArgs& a, int64_t m0, const uint8_t* const* wsrc, int64_t nb, bool stream, float* out) {
+  const int64_t P = a.KP / 2;
+  const uint16_t* x0 = static_cast<const uint16_t*>(a.x) + m0 * a.KP;
+  const uint16_t* x1 = x0 + 16 * a.KP;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t p0 = 0; p0 < P; p0 += 16) {
+    if (stream && p0 + 64 < P)  // weights streamed from memory (bf16, first row tile): 4 KiB ahead
+      for (int g = 0; g < G; ++g)
+        for (int l = 0; l < 16; ++l) __builtin_prefetch(wsrc[g] + (p0 + 64) * 64 + l * 64, 0, 3);
+    _tile_loadd(4, x0 + 2 * p0, a.KP * 2);
+    _tile_loadd(5, x1 + 2 * p0, a.KP * 2);
+    _tile_loadd(6, wsrc[0] + p0 * 64, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (G == 2) {
+      _tile_loadd(7, wsrc[1] + p0 * 64, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 128);  // out [32 rows][2 groups][16]
+  _tile_stored(2, out + 16 * 32, 128);
+  if (G == 2) {
+    _tile_stored(1, out + 16, 128);
+    _tile_stored(3, out + 16 * 32 + 16, 128);
+  }
+  const int64_t rows = min64(32, a.M - m0);
   for (int64_t r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) {
       const int64_t n0 = (nb + g) * 16;
       const int n = static_cast<int>(min64(16, a.N - n0));
-      const float* t = tot + r * 32 + g * 16;
+      const float* t = out + r * 32 + g * 16;
       if (a.out_f32) {
         float* y = static_cast<float*>(a.y) + (m0 + r) * a.N + n0;
         for (int i = 0; i < n; ++i) y[i] = t[i];
@@ -154,28 +171,29 @@ void gemm_amx(const GemmArgs* ap) {
   const int64_t P = a.KP / 2;
   const bool scaled = a.fmt != FMT_BF16;
   WP* buf = scaled ? static_cast<WP*>(aligned_alloc(64, sizeof(WP) * 2 * P)) : nullptr;
-  alignas(64) float tot[16 * 32];
-  alignas(64) float blk[16 * 32];
+  alignas(64) float out[32 * 32];
   configure();
-  for (int64_t nb = a.nb0; nb < a.nb1; nb += 2) {
-    const int g_count = static_cast<int>(min64(2, a.nb1 - nb));
-    const uint8_t* wsrc[2] = {nullptr, nullptr};
-    for (int g = 0; g < g_count; ++g) {
-      const uint8_t* src = group_pairs(a, nb + g, 0);
-      if (!scaled) {
-        wsrc[g] = src;
-        continue;
+  // Row super-blocks keep their activations in L2 while every output group passes over them
+  // (a group's FP8 / FP4 weights are decoded once per super-block).
+  constexpr int64_t ROWS_PER_PASS = 512;
+  for (int64_t ms = 0; ms < a.M; ms += ROWS_PER_PASS) {
+    const int64_t me = min64(a.M, ms + ROWS_PER_PASS);
+    for (int64_t nb = a.nb0; nb < a.nb1; nb += 2) {
+      const int g_count = static_cast<int>(min64(2, a.nb1 - nb));
+      const uint8_t* wsrc[2] = {nullptr, nullptr};
+      for (int g = 0; g < g_count; ++g) {
+        if (scaled) {  // the group's whole K decoded once, reused by every row tile of the pass
+          decode_group(a, nb + g, buf + g * P);
+          wsrc[g] = reinterpret_cast<const uint8_t*>(buf + g * P);
+        } else {
+          wsrc[g] = group_pairs(a, nb + g, 0);
+        }
       }
-      WP* dst = buf + g * P;  // the group's whole K decoded once, reused by every 16-row tile
-      for (int64_t p = 0; p < P; ++p) {
-        if ((p & 15) == 0 && p + 64 < P) __builtin_prefetch(src + (p + 64) * (a.fmt == FMT_FP8 ? 32 : 16), 0, 3);
-        dst[p] = a.fmt == FMT_FP8 ? wp_fp8(src + 32 * p) : wp_fp4(src + 16 * p);
+      for (int64_t m0 = ms; m0 < me; m0 += 32) {
+        const bool stream = !scaled && m0 == ms;
+        if (g_count == 2) tile_rows<2>(a, m0, wsrc, nb, stream, out);
+        else tile_rows<1>(a, m0, wsrc, nb, stream, out);
       }
-      wsrc[g] = reinterpret_cast<const uint8_t*>(dst);
-    }
-    for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
-      if (g_count == 2) tile_rows<2>(a, m0, wsrc, nb, tot, blk);
-      else tile_rows<1>(a, m0, wsrc, nb, tot, blk);
     }
   }
   _tile_release();
