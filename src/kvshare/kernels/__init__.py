@@ -10,10 +10,14 @@ API::
 order that depends only on K and the weight format, never on the number of rows in the call, the
 row's position, the other rows or the thread count. Native paths (csrc/gemm_body.h): lane-wise
 over k pairs (odd k, then even k; exact bf16 products, one rounded fp32 add each); FP8 / FP4 sum
-each scale block from zero and add block_sum * 2^e to the total; fp32 weights: one fma per k.
+each scale block from zero and add block_sum * 2^e to the total; fp32 weights: per block of 32
+inputs one fma per k from zero, then total += block sum.
 Output = activation dtype (bf16: round-to-nearest-even of the fp32 total).
 
-Paths (`isa()`): "avx512" (AVX-512 BF16) and "avx2" (AVX2 + FMA) give the same bits except where
+Paths (`isa()`): "amx" (default where available: AMX-BF16 tiles of 32 rows, rows zero-padded, so
+row-invariant by construction; the order inside TDPBF16PS is the hardware's, so its bits differ
+from "avx512" in the last place on inexact sums; weights whose K is not a multiple of 32 take the
+AVX-512 path). "avx512" (AVX-512 BF16) and "avx2" (AVX2 + FMA) give the same bits except where
 a bf16 product or partial sum is subnormal (``vdpbf16ps`` flushes those to zero); "torch"
 (`fallback.py`) is row-invariant too and equal to them where the arithmetic is exact.
 """

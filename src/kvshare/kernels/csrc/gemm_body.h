@@ -7,7 +7,8 @@
 // odd k before the even k of a pair, one rounded fp32 add per product (products of bf16 values
 // are exact in fp32). Scaled formats sum each block of bk inputs from +0 that way, then add
 // block_sum * 2^e (exact product) to the running total with one rounding, blocks in increasing
-// order. FP32 weights: one fma per k in increasing k. None of it depends on M, on the row's
+// order. FP32 weights: per block of 32 inputs one fma per k from zero, then total += block sum.
+// None of it depends on M, on the row's
 // position, on the tile shapes below or on the thread that computes the group.
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -138,20 +139,32 @@ static void gemm_pairs(const GemmArgs& a) {
   }
 }
 
-// FP32 weights, fp32 activations: acc = fma(x[m][k], w[k][lane], acc) for k = 0, 1, ...
+// FP32 weights, fp32 activations: per block of F32_BLOCK inputs an fma chain from zero in
+// increasing k, then total += block sum (two levels keep the rounding error near that of a
+// blocked GEMM instead of growing with K).
+constexpr int64_t F32_BLOCK = 32;
+
 template <int R, int G>
 static inline void micro_f32(const float* const* xr, int64_t K, const float* w, int64_t wstride, float* y,
                              int64_t ldy, int64_t n0, int64_t N) {
   V acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    V wv[G];
-    for (int g = 0; g < G; ++g) wv[g] = vload(w + g * wstride + k * 16);
-    for (int r = 0; r < R; ++r) {
-      const V xb = vbcast(xr[r][k]);
-      for (int g = 0; g < G; ++g) acc[r][g] = vfma(xb, wv[g], acc[r][g]);
+  for (int64_t k0 = 0; k0 < K; k0 += F32_BLOCK) {
+    const int64_t k1 = min64(K, k0 + F32_BLOCK);
+    V blk[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) blk[r][g] = vzero();
+    for (int64_t k = k0; k < k1; ++k) {
+      V wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = vload(w + g * wstride + k * 16);
+      for (int r = 0; r < R; ++r) {
+        const V xb = vbcast(xr[r][k]);
+        for (int g = 0; g < G; ++g) blk[r][g] = vfma(xb, wv[g], blk[r][g]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = vfma(vbcast(1.0f), blk[r][g], acc[r][g]);  // exact: one add
   }
   alignas(64) float buf[16];
   for (int r = 0; r < R; ++r)
