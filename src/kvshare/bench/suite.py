@@ -2,7 +2,8 @@
 
 Order: copy bandwidth (machine), peer comparison (V4), prefill at the released attention sizes,
 sharing on/off and context scaling (V4.1-shaped), DSpark speculation on / off, prefix caching on /
-off (V4.1-shaped), achieved bandwidth (from the decode steps measured above). The header records the
+off (V4.1-shaped), achieved bandwidth (from the decode steps measured above). ``quant`` (alone,
+not in ``all``): the quantised V4 bench model, FP8 / FP4 weights kept packed (bench/quantised.py). The header records the
 date, versions, thread count and the machine's load before and after, because the cores may be
 shared with other processes.
 """
@@ -168,6 +169,14 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
         if psec is not None:
             psec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
             sections.append(psec)
+    if w == "quant":  # its own model and copy measure; not part of "all" (it needs the native kernels)
+        from kvshare.bench.quantised import quantised_section
+
+        t0 = time.perf_counter()
+        qsec = _guard("quant", errors, quantised_section, s, device=opts.device, with_peer=opts.peer)
+        if qsec is not None:
+            qsec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            sections.append(qsec)
     if copy is not None:
         end = copy_bandwidth(s.copy_mib * 2**20, device=opts.device)
         best = max((copy, end), key=lambda c: c["read_gbps"])

@@ -1,4 +1,7 @@
-"""`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|prefix|all] [--quick] [size flags]`.
+"""`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|prefix|quant|all] [--quick] [size flags]`.
+
+``quant`` (not part of ``all``): the peer V4 model stored with FP8 linears and FP4 experts, kept
+packed by kvshare's kernels, against transformers on the dequantised checkpoint, one thread.
 
 Runs the chosen benchmarks in this one process, prints their tables (with ratios against the
 transformers peer measured in the same run), and writes JSON, a markdown table and PNG plots to
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from kvshare.bench.sizes import add_size_flags
 
-SECTIONS = ("peer", "prefill", "sharing", "context", "bandwidth", "spec", "prefix", "all")
+SECTIONS = ("peer", "prefill", "sharing", "context", "bandwidth", "spec", "prefix", "quant", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plots and importlib.util.find_spec("matplotlib") is None:
         print("note: matplotlib is not installed, so no plots (pip install 'kvshare[bench]')", file=sys.stderr)
         args.plots = False
-    if args.peer and args.which in ("peer", "all") and importlib.util.find_spec("transformers") is None:
+    if args.peer and args.which in ("peer", "quant", "all") and importlib.util.find_spec("transformers") is None:
         print("note: transformers is not installed, so kvshare runs without its peer "
               "(pip install 'kvshare[bench]')", file=sys.stderr)
         args.peer = False

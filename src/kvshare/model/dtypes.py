@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kvshare.model.compressor import Compressor
-from kvshare.model.linear import pack_linears
+from kvshare.model.linear import Linear, pack_linears
 from kvshare.model.moe import Gate
 from kvshare.model.norm import RMSNorm
 
@@ -62,6 +62,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device | str 
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter as stored (packed copies not counted)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights in memory: every parameter as stored, plus the FP8 / FP4 weights that
+    `Linear`s hold packed (their checkpoint bytes; speed copies such as oneDNN's are not counted)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Linear) and m.qweight is not None)
 

@@ -12,6 +12,18 @@ is 1.3-6x faster at 1-8 rows on this machine. Packing is feature-checked (`packi
 without it, or for fp32 / float64 weights, or while autograd needs the weight, `F.linear` runs.
 A packed copy is dropped as soon as the weight changes (its version counter or storage moved;
 an inference-mode weight has no version counter, so re-`pack()` after editing one in place).
+
+**kvshare's own kernels** (`kvshare.kernels`, fixed reduction order, row-count invariant):
+
+* A weight loaded from an FP8 / FP4 checkpoint into a bf16 model stays packed (`set_packed`): the
+  `weight` parameter is then empty and every call runs ``kernels.linear`` on the packed form
+  (the math is that of the dequantised weight; the bits can differ from oneDNN's in the last place).
+* A batch-invariant forward (`ops/invariant.py`) runs every other linear through `row_linear`,
+  which uses the kernels too where they are available.
+* `use_kernels(True)` (a process-wide switch, off by default) routes every other `Linear` with a bf16
+  weight and bf16 input, or an fp32 weight and fp32 input, through the kernels outside that mode
+  as well (a packed copy is made on first use and dropped when the weight changes, like the oneDNN
+  copy); with it off and no packed weight, results are bitwise as before.
 """
 
 from __future__ import annotations
@@ -22,9 +34,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvshare import kernels
 from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.ops import invariant
 from kvshare.precision import version_of
+
+_KERNELS = {"on": False}
+
+
+def use_kernels(on: bool) -> None:
+    """Route bf16 / fp32 `Linear`s through `kvshare.kernels` (True) or oneDNN / F.linear (False)."""
+    _KERNELS["on"] = bool(on)
+
+
+def kernels_enabled() -> bool:
+    """Whether `use_kernels(True)` is in effect."""
+    return _KERNELS["on"]
 
 
 @functools.cache
@@ -54,6 +79,30 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self._packed: torch.Tensor | None = None
         self._packed_key: tuple[int, int] | None = None
+        self.qweight: kernels.Packed | None = None  # an FP8 / FP4 checkpoint weight kept packed
+        self._kpacked: kernels.Packed | None = None  # the kernels' copy of `weight` (use_kernels)
+        self._kpacked_key: tuple[int, int] | None = None
+
+    def set_packed(self, packed: kernels.Packed) -> None:
+        """Hold `packed` (shape [out, in]) instead of a dense weight; `weight` becomes empty."""
+        if (packed.n, packed.k) != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight is {packed.n} x {packed.k}, this Linear is "
+                             f"{self.out_features} x {self.in_features}")
+        self.qweight = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        self._packed = self._kpacked = None
+
+    def _kernel_weight(self, x: torch.Tensor) -> kernels.Packed | None:
+        """The kernels' packed copy of `weight` for input `x` (made on first use), or None where
+        the kernels do not serve this call (dtype pair, device, autograd)."""
+        w = self.weight
+        pair_ok = (w.dtype == x.dtype == torch.bfloat16) or (w.dtype == x.dtype == torch.float32)
+        if not pair_ok or w.device.type != "cpu" or (torch.is_grad_enabled() and w.requires_grad):
+            return None
+        if self._kpacked is None or self._kpacked_key != self._key():
+            self._kpacked = kernels.pack(w.detach())
+            self._kpacked_key = self._key()
+        return self._kpacked
 
     def _key(self) -> tuple[int, int]:
         return (self.weight.data_ptr(), version_of(self.weight))
@@ -61,7 +110,7 @@ class Linear(nn.Linear):
     def pack(self) -> bool:
         """Pack the weight for oneDNN when it is a bf16 CPU tensor and packing exists; True if packed."""
         w = self.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not packing_available():
+        if self.qweight is not None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not packing_available():
             self._packed = None
             return False
         if self._packed is not None and self._packed_key == self._key():
@@ -72,8 +121,14 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:  # fixed-order kernel: row-invariant in any mode
+            return kernels.linear(x, self.qweight)
         if invariant.is_on():  # a batch-invariant forward: every row alone (ops/invariant.py)
             return invariant.row_linear(x, self.weight)
+        if _KERNELS["on"]:
+            kp = self._kernel_weight(x)
+            if kp is not None:
+                return kernels.linear(x, kp)
         packed = self._packed
         if packed is not None and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
             if self._packed_key == self._key():
@@ -86,7 +141,7 @@ class QLinear(Linear):
     """`Linear` standing for an FP8/FP4 checkpoint weight.
 
     When ``mode.act`` is on, the input is rounded to FP8 (block `block`) before the product; the
-    weight itself is used as loaded (the loader dequantises checkpoint weights).
+    weight is used as loaded (dequantised, or kept packed by the loader: `set_packed`).
     """
 
     def __init__(self, in_features: int, out_features: int, mode: QuantMode, block: int) -> None:

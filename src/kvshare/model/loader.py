@@ -8,6 +8,9 @@
   ``<module>.weight_scale_inv``) is decoded to fp32 on load: e4m3 weights as FP8 block-scaled (block
   from ``quantization_config.weight_block_size``), int8 / uint8 / ``float4_e2m1fn_x2`` weights as
   packed FP4 (layout in `weights_quant`). Tensors without a scale are returned as stored.
+  ``keep_packed`` (a set of released names): those FP8 / FP4 weights (2-D, power-of-two scales) are
+  returned as `kvshare.kernels.Packed` instead, never expanded; `load_model` asks for this for
+  every `QLinear` weight of a bf16 model when the native kernels are available.
   Draft (``mtp.*``, or backbone-style layers past ``num_hidden_layers``) and vision tensors are
   skipped with one logged warning (unless the DSpark stages are asked for, ``draft=True``);
   missing, unexpected or mis-shaped tensors raise CheckpointError.
@@ -130,7 +133,21 @@ def _scale_owner(name: str, tensors: dict[str, torch.Tensor]) -> str | None:
     return next((c for c in cands if c in tensors and c != name), None)
 
 
-def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _keep_packed(t: torch.Tensor, s: torch.Tensor, block: tuple[int, int]):
+    """`t` with scale `s` as a `kernels.Packed`, or None where the kernels cannot hold it as is
+    (not 2-D, a scale that is not a power of two, an unsupported block)."""
+    from kvshare import kernels
+
+    if t.dim() != 2:
+        return None
+    try:
+        return kernels.pack_fp8(t, s, block) if wq.is_fp8(t) else kernels.pack_fp4(t, s)
+    except ValueError:
+        return None
+
+
+def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                keep_packed: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     scales: dict[str, str] = {}
     for name in list(tensors):
         if (name.endswith(".scale") or name.endswith("_scale_inv")) and tensors[name].dtype.is_floating_point:
@@ -145,6 +162,10 @@ def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             continue
         if name in scales:
             s = tensors[scales[name]]
+            kept = _keep_packed(t, s, block) if name in keep_packed else None
+            if kept is not None:
+                out[name] = kept  # type: ignore[assignment]
+                continue
             try:
                 out[name] = wq.dequant_fp8_weight(t, s, block) if wq.is_fp8(t) else wq.dequant_fp4_weight(t, s)
             except ValueError as e:
@@ -156,9 +177,11 @@ def _dequantize(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
-def load_checkpoint(path: str | Path, cfg: ModelConfig, draft: bool = False) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: str | Path, cfg: ModelConfig, draft: bool = False,
+                    keep_packed: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Read a checkpoint into a released-naming state dict checked against `cfg` (see module doc).
 
+    `keep_packed`: released names of FP8 / FP4 weights to return packed (`kernels.Packed`).
     `draft`: keep the ``mtp.*`` (DSpark) tensors too, dropping their unused ``gate.bias_vl``; they
     are checked against the model by `load_model`."""
     files = checkpoint_files(path)
@@ -181,7 +204,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig, draft: bool = False) -> 
         (log.info if routine else log.warning)(
             "checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
             path, skipped["draft"], skipped["vision"])
-    state = to_released(_dequantize(kept, cfg))
+    state = to_released(_dequantize(kept, cfg, keep_packed))
     if cfg.tie_word_embeddings and "head.weight" not in state and "embed.weight" in state:
         state["head.weight"] = state["embed.weight"]
     check_state_dict(state, released_shapes(cfg))
@@ -316,7 +339,8 @@ def export_transformers(model_or_state_dict: torch.nn.Module | dict[str, torch.T
 def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy a released-naming state dict into `model`, checking names and shapes first.
 
-    Model tensors under ``mtp.`` (draft layers) that the checkpoint lacks keep their values."""
+    Model tensors under ``mtp.`` (draft layers) that the checkpoint lacks keep their values. A
+    `kernels.Packed` value is handed to its `Linear` (`set_packed`) instead of copied."""
     own = model.state_dict()
     expected = {k: tuple(v.shape) for k, v in own.items()}
     for name in own:
@@ -325,7 +349,10 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     check_state_dict(state, {k: s for k, s in expected.items() if k in state or not k.startswith("mtp.")})
     with torch.no_grad():
         for name, t in state.items():
-            own[name].copy_(t)
+            if isinstance(t, torch.Tensor):
+                own[name].copy_(t)
+            else:
+                model.get_submodule(name.rsplit(".", 1)[0]).set_packed(t)
 
 
 def _check_draft(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -334,6 +361,18 @@ def _check_draft(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
 
     expected = dspark_shapes(model)  # type: ignore[arg-type]
     check_state_dict({k: v for k, v in state.items() if k.startswith("mtp.")}, expected)
+
+
+def _packable_names(model: torch.nn.Module, dtype: torch.dtype) -> frozenset[str]:
+    """Weights a bf16 model keeps packed when the native kernels serve them (module doc): those of
+    `QLinear`s, whose every use goes through `Linear.forward` (plain linears such as ``wo_a`` or
+    the compressor's are also read as dense tensors elsewhere)."""
+    from kvshare import kernels
+    from kvshare.model.linear import QLinear
+
+    if dtype != torch.bfloat16 or not kernels.available():
+        return frozenset()
+    return frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QLinear))
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -375,7 +414,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
 
         attach_dspark(model)
     if with_weights:
-        state = load_checkpoint(weights_dir, cfg, draft=draft)
+        state = load_checkpoint(weights_dir, cfg, draft=draft, keep_packed=_packable_names(model, dtype))
         if draft:
             _check_draft(model, state)
         load_state_into(model, state)

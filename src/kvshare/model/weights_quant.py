@@ -125,3 +125,22 @@ def pack_fp4_weight(w: torch.Tensor, block: int = FP4_WEIGHT_BLOCK) -> tuple[tor
     """Encode `w` [..., out, in] as (packed int8 [..., out, in / 2], ue8m0 scale [..., out, in / block])."""
     codes, scale = fp4_codes(w, block, "ue8m0")
     return pack_fp4_codes(codes), scale.to(torch.float8_e8m0fnu)
+
+
+def release_quantize(state: dict[str, torch.Tensor], names: set[str] | frozenset[str],
+                     block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """`state` with the weights in `names` stored as the release stores them: routed experts
+    (``.experts.`` in the name) as packed FP4 with ue8m0 scales per 32 inputs, the others as FP8
+    e4m3 with ue8m0 `block` scales; each gets its ``<module>.scale`` companion. Other tensors are
+    kept as they are. (For tests and the quantised bench model.)"""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name not in names:
+            out[name] = t
+            continue
+        stem = name[: -len(".weight")] if name.endswith(".weight") else name
+        if ".experts." in name and t.shape[-1] % FP4_WEIGHT_BLOCK == 0:
+            out[name], out[stem + ".scale"] = pack_fp4_weight(t.float())
+        else:
+            out[name], out[stem + ".scale"] = quantize_fp8_weight(t.float(), block)
+    return out

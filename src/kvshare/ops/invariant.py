@@ -91,11 +91,17 @@ def _kernels():
 
 
 def native_pack(w: torch.Tensor):
-    """The kernels' packed copy of weight `w` (made once per weight version), or None where the
-    kernels do not serve it (no native library, a dtype other than bf16 / fp32, not on the CPU)."""
+    """The kernels' packed copy of weight `w` (made once per weight version for parameters and
+    their views; per call for other tensors), or None where the kernels do not serve it (no native
+    library, a dtype other than bf16 / fp32, not on the CPU)."""
     k = _kernels()
     if k is None or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
         return None
+    root = w._base if w._base is not None else w
+    if not isinstance(root, torch.nn.Parameter):
+        # a temporary (e.g. ``wide(bf16 weight)``): its address is reused by later temporaries of
+        # the same shape, so a cached pack would be stale; pack it for this call only
+        return k.pack(w.detach().contiguous())
     key = (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
     p = _PACKS.get(key)
     if p is None:

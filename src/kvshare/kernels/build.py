@@ -1,0 +1,93 @@
+"""Build (once) and load the native kernel library; choose its code path.
+
+The C++ sources in ``csrc/`` are compiled by `torch.utils.cpp_extension.load` on first use into
+``$KVSHARE_KERNEL_CACHE`` (default ``~/.cache/kvshare/kernels``), in a folder keyed by the sources'
+hash and the torch version, so a later process (or test) loads the cached library in milliseconds.
+A machine without a compiler or ninja, or any build error, gets ``None`` here and a single
+``logging.warning``; callers then use the pure-torch path (`fallback.py`). Nothing raises.
+
+Code path (`isa`): ``"amx"`` (AMX-BF16 tiles for weights whose K is a multiple of 32, AVX-512 BF16
+for the others) where the CPU and OS allow it, else ``"avx512"`` (AVX-512 BF16: ``vdpbf16ps``), else
+``"avx2"`` (AVX2 + FMA), else ``"torch"``. torch's own switch ``ATEN_CPU_CAPABILITY=avx2`` caps it at AVX2 and
+``=default`` at the torch path, so the suite can run each path on one machine;
+``KVSHARE_KERNELS=off`` also selects the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp")
+_HEADERS = ("gemm.h", "gemm_body.h")
+
+
+def cache_root() -> Path:
+    """Where built libraries are kept (``$KVSHARE_KERNEL_CACHE`` or ``~/.cache/kvshare/kernels``)."""
+    env = os.environ.get("KVSHARE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kvshare" / "kernels"
+
+
+def source_hash() -> str:
+    """Hash of every source and header file plus the torch version (the cache key)."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for name in SOURCES + _HEADERS:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def library() -> ModuleType | None:
+    """The compiled extension, built on first call; None (after one warning) when it cannot be built."""
+    if os.environ.get("KVSHARE_KERNELS", "").lower() in ("off", "0", "torch"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = source_hash()
+        build_dir = cache_root() / f"torch{torch.__version__.replace('+', '_')}-{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load(name=f"kvshare_kernels_{key}", sources=[str(CSRC / s) for s in SOURCES],
+                    extra_cflags=["-O3", "-fno-math-errno"], extra_include_paths=[str(CSRC)],
+                    build_directory=str(build_dir), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a compile error: run the torch path
+        log.warning("kvshare kernels: native library unavailable (%s: %s); using the pure-torch path",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+@lru_cache(maxsize=1)
+def best_isa() -> str:
+    """The code path used by default (see module doc): "amx", "avx512", "avx2" or "torch"."""
+    lib = library()
+    if lib is None:
+        return "torch"
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if cap == "default":
+        return "torch"
+    if cap != "avx2" and lib.cpu_has("amx"):
+        return "amx"
+    if cap != "avx2" and lib.cpu_has("avx512bf16"):
+        return "avx512"
+    if lib.cpu_has("avx2"):
+        return "avx2"
+    log.warning("kvshare kernels: CPU has neither AVX-512 BF16 nor AVX2+FMA; using the pure-torch path")
+    return "torch"
+
+
+def supported_isas() -> list[str]:
+    """Every code path this machine can run (for tests comparing them), best first."""
+    lib = library()
+    pairs = (("amx", "amx"), ("avx512", "avx512bf16"), ("avx2", "avx2"))
+    out = [] if lib is None else [i for i, f in pairs if lib.cpu_has(f)]
+    return out + ["torch"]

@@ -1,0 +1,81 @@
+// Torch binding: argument checks, activation padding, and the split of output groups over threads
+// (each output element is computed by exactly one thread, so the thread count changes no bit).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include "gemm.h"
+
+namespace kk = kvshare_kernels;
+
+static bool cpu_has(const char* what) {
+  __builtin_cpu_init();
+  if (std::string(what) == "avx512bf16")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  if (std::string(what) == "amx") {
+    static const bool ok = cpu_has("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+                           __builtin_cpu_supports("amx-bf16") && kk::amx_enable();
+    return ok;
+  }
+  if (std::string(what) == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return false;
+}
+
+// x: [M, K] bf16 (FP32 format: fp32); w / exps: the packed layout of gemm.h; isa: "avx512" | "avx2".
+// out_f32: return the fp32 totals instead of bf16 (bf16-activation formats; for tests).
+static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t fmt, int64_t n,
+                          int64_t k, int64_t kp, int64_t bk, const std::string& isa, bool out_f32) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kernels.gemm: x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(w.is_contiguous() && exps.is_contiguous(), "kernels.gemm: packed weight must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kernels.gemm: CPU tensors only");
+  const bool f32 = fmt == kk::FMT_FP32;
+  TORCH_CHECK(x.scalar_type() == (f32 ? torch::kFloat32 : torch::kBFloat16),
+              "kernels.gemm: activation dtype ", x.scalar_type(), " does not fit format ", fmt);
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "kernels.gemm: unknown format ", fmt);
+  TORCH_CHECK(f32 || (kp % 2 == 0 && kp >= k && kp - k < 2), "kernels.gemm: bad padded K ", kp);
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || (bk >= 2 && bk <= 256 && bk % 2 == 0),
+              "kernels.gemm: bad scale block ", bk);
+  const int64_t n_groups = (n + 15) / 16;
+  const int64_t w_bytes = f32 ? n_groups * k * 16 * 4 : n_groups * (kp / 2) * 16 * (fmt == kk::FMT_FP8 ? 2 : 4) / (fmt == kk::FMT_FP4 ? 4 : 1);
+  TORCH_CHECK(w.numel() * w.element_size() == w_bytes, "kernels.gemm: packed weight has ", w.numel() * w.element_size(),
+              " bytes, expected ", w_bytes);
+  const int64_t n_exps = (fmt == kk::FMT_BF16 || f32) ? 0 : n_groups * ((kp + bk - 1) / bk);
+  const bool group_exps = fmt == kk::FMT_FP8 && exps.numel() == n_exps;
+  TORCH_CHECK(fmt == kk::FMT_BF16 || f32 || group_exps || exps.numel() == n_exps * 16,
+              "kernels.gemm: scale exponents have ", exps.numel(), " entries");
+  const int64_t m = x.size(0);
+  // AMX serves a weight when its K and scale blocks fit whole tiles (a property of the weight,
+  // never of the row count); other weights take the AVX-512 path.
+  const bool amx = isa == "amx" && !f32 && kp % 32 == 0 && (fmt == kk::FMT_BF16 || bk % 32 == 0);
+  torch::Tensor xin;
+  if (f32) {
+    xin = x.contiguous();
+  } else {
+    xin = torch::zeros({amx ? (m + 31) / 32 * 32 : m, kp}, x.options());
+    xin.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  }
+  auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
+  if (m == 0 || n == 0) return y;
+  if (k == 0) return y.zero_();
+  const bool wide = isa == "avx512" || isa == "amx";
+  TORCH_CHECK(wide || isa == "avx2", "kernels.gemm: unknown isa ", isa);
+  TORCH_CHECK(cpu_has(isa == "amx" ? "amx" : (wide ? "avx512bf16" : "avx2")), "kernels.gemm: this CPU lacks ", isa);
+  const int64_t nb = (n + 15) / 16;
+  kk::GemmArgs base{static_cast<int>(fmt), xin.data_ptr(), w.data_ptr(),
+                    exps.numel() ? exps.data_ptr<uint8_t>() : nullptr, y.data_ptr(), m, n, k, kp, bk, 0, nb, group_exps ? 1 : 0, out_f32 && !f32 ? 1 : 0};
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+    kk::GemmArgs a = base;
+    a.nb0 = lo * 2;
+    a.nb1 = std::min(hi * 2, nb);
+    if (amx) kk::gemm_amx(&a);
+    else if (wide) kk::gemm_avx512(&a);
+    else kk::gemm_avx2(&a);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
+  mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
+}

@@ -1,0 +1,35 @@
+// Shared declarations of the ISA translation units (no torch, no std templates: see gemm_body.h).
+#pragma once
+#include <stdint.h>
+
+namespace kvshare_kernels {
+
+enum Format : int { FMT_BF16 = 0, FMT_FP32 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
+
+// One call computes y[m, n] for every row m < M and every output n of the 16-wide groups
+// [nb0, nb1). Layouts (NB = ceil(N / 16), P = KP / 2 pairs, KB = KP / bk blocks):
+//   FMT_BF16: w int32 [NB][P][16]     (a bf16 pair per dword: k = 2p low half, 2p + 1 high half)
+//   FMT_FP8:  w uint8 [NB][P][16][2]  (e4m3 codes, k = 2p first), exps uint8 [NB][KB][16], or
+//             [NB][KB] when group_exps (one scale for the 16 rows of a group: 128-row blocks)
+//   FMT_FP4:  w uint8 [NB][P][16]     (e2m1 pair: k = 2p low nibble), exps uint8 [NB][KB][16]
+//   FMT_FP32: w float [NB][K][16]
+// x: bf16 [M][KP] (zero-padded) (FP32: float [M][K]); y: bf16 [M][N] (FP32: float [M][N]).
+struct GemmArgs {
+  int fmt;
+  const void* x;
+  const void* w;
+  const uint8_t* exps;
+  void* y;
+  int64_t M, N, K, KP, bk;
+  int64_t nb0, nb1;
+  int group_exps;
+  int out_f32;
+};
+
+void gemm_avx512(const GemmArgs* a);
+void gemm_avx2(const GemmArgs* a);
+// AMX (gemm_amx.cpp): x padded to a multiple of 32 rows; needs KP % 32 == 0 and, scaled, bk % 32 == 0.
+void gemm_amx(const GemmArgs* a);
+bool amx_enable();
+
+}  // namespace kvshare_kernels
