@@ -48,8 +48,7 @@ BUCKET = 64
 VECTOR_PAD = 64
 
 _native_linear = None  # a test's override of the native product (see `use_native_linear`)
-_PACKS: dict[tuple, object] = {}  # the kernels' packed copies of the weights row_linear has seen
-_MAX_PACKS = 4096
+_MAX_PACKS_PER_WEIGHT = 16  # a weight's packed views (wo_a's groups) and versions kept at once
 _state = threading.local()  # per thread: tensor-parallel tests run ranks as threads
 
 
@@ -102,12 +101,15 @@ def native_pack(w: torch.Tensor):
         # a temporary (e.g. ``wide(bf16 weight)``): its address is reused by later temporaries of
         # the same shape, so a cached pack would be stale; pack it for this call only
         return k.pack(w.detach().contiguous())
-    key = (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
-    p = _PACKS.get(key)
+    # kept on the parameter object itself, so a pack dies with its weight (an address-keyed cache
+    # could hand a later model's weight at a reused address the earlier model's pack)
+    packs = root.__dict__.setdefault("_kvshare_packs", {})
+    key = (w.data_ptr() - root.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
+    p = packs.get(key)
     if p is None:
-        if len(_PACKS) >= _MAX_PACKS:
-            _PACKS.clear()
-        p = _PACKS[key] = k.pack(w.detach().contiguous())
+        if len(packs) >= _MAX_PACKS_PER_WEIGHT:
+            packs.clear()
+        p = packs[key] = k.pack(w.detach().contiguous())
     return p
 
 
