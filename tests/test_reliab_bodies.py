@@ -56,6 +56,13 @@ def test_limits_at_their_edge_pass() -> None:
         max_array_items=100, max_prompt_tokens=50, max_object_keys=20, max_json_nodes=500, max_stop_chars=10))
 
 
+def test_top_level_scalars_pass_the_structure_check() -> None:
+    """Found by the schemathesis run: a body `null` or `5` crashed the check (a 500); the route refuses it."""
+    for data in (None, 5, 1.5, True, "text"):
+        check_structure(data, LIMITS)
+    assert "lone surrogate" in refused("\ud800").message
+
+
 def test_deep_nesting_is_refused_at_the_limit() -> None:
     deep: Any = 1
     for _ in range(33):
