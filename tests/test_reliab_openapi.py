@@ -54,6 +54,7 @@ def test_document_has_request_bodies_and_replies(server: BackgroundServer) -> No
         assert "422" not in op["responses"]
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"prompt", "max_tokens", "temperature", "stop", "stream"} <= set(props)
+    assert props["model"]["anyOf"][0]["enum"] == [MODEL]
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert set(doc["paths"]["/health"]) == {"get", "head"}
 

@@ -138,7 +138,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             slot.close()
             raise
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                    model_name)
     return app
 
 

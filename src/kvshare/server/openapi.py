@@ -35,8 +35,11 @@ _POST_ROUTE = {"400": "Malformed JSON, a structural limit passed, or an invalid 
                "503": "The server is shutting down."}
 
 
-def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Make `app.openapi()` document `bodies` (POST path -> request model) and every reply (see module doc)."""
+def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name: str | None = None) -> None:
+    """Make `app.openapi()` document `bodies` (POST path -> request model) and every reply (see module doc).
+
+    `model_name`: the one model id the server accepts; the bodies' `model` field is documented as it
+    (or null), so a fuzzer's bodies reach generation instead of the 404 of an unknown model."""
 
     def build() -> dict[str, Any]:
         if app.openapi_schema:
@@ -61,6 +64,10 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
                 if path in bodies and method == "post":
                     model = bodies[path]
                     _add_model(components, model)
+                    props = components[model.__name__].get("properties", {})
+                    if model_name is not None and "model" in props:
+                        props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
+                                          "description": "The served model's id (GET /v1/models); may be left out."}
                     op["requestBody"] = {"required": True, "content": {
                         "application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}
                     responses["200"] = {"description": "The reply: one JSON body, or with `stream: true` a "
