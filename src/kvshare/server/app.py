@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over one engine loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming with SSE or whole replies),
-GET /v1/models, GET /health, GET /metrics (Prometheus text). Every error reply is OpenAI's
+GET /v1/models, GET/HEAD /health, GET /metrics (Prometheus text); /openapi.json documents the
+request bodies and every reply (`openapi`). A known path with the wrong method is a 405 with `Allow`. Every error reply is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with a 4xx status for bad input (malformed
 JSON, unknown model, invalid sampling values, too-long prompt, over the concurrency limit) and
 500 for an internal failure of one request, which leaves the server serving. Limits (body
@@ -31,6 +32,7 @@ from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, internal_error
 from kvshare.server.generation import ServerState, admit, generate
 from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
+from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from kvshare.server.security import AccessPolicy, install
 
@@ -76,7 +78,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     _install_error_handlers(app)
     install(app, access or AccessPolicy(), limits, state.metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not loop.alive:
             return APIError(503, f"engine loop is not running: {loop.error!r}", code="engine_dead").response()
@@ -136,6 +138,8 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             slot.close()
             raise
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+                    model_name)
     return app
 
 
@@ -152,8 +156,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
-        code = "not_found" if e.status_code == 404 else None
-        return APIError(e.status_code, str(e.detail), code=code).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return APIError(e.status_code, str(e.detail), code=code, headers=e.headers).response()  # keeps `Allow`
 
 
 

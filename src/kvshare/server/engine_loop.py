@@ -15,6 +15,11 @@ tensor-parallel worker): then the engine is unusable, so the loop fails every re
 (`error` holds the exception, /health reports 503) and calls `on_fatal(error)`, with which
 `kvshare serve` shuts the server down and exits with that error.
 
+Memory: when the loop goes idle after requests finished, it hands the C heap's free pages back to
+the OS (`memory.release_free_memory`, glibc `malloc_trim`), at most once per `_TRIM_EVERY_S`;
+without it the RSS stays at the peak of the busiest moment (freed tensors and request buffers
+stay in malloc's per-thread arenas).
+
 Watchdog: `progress_at` is the monotonic time the loop last finished a step or idled; `stalled(s)`
 says whether work is pending and the loop has not advanced for `s` seconds (an engine stuck in
 a step), which /health reports as a 503.
@@ -30,11 +35,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from kvshare.server.memory import release_free_memory
 from kvshare.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvshare.server")
 
 _IDLE_WAIT_S = 0.05
+_TRIM_EVERY_S = 1.0
 _MAX_BACKOFF_S = 1.0
 
 
@@ -71,6 +78,8 @@ class EngineLoop:
         self.error: BaseException | None = None  # set if the thread itself dies
         self.progress_at = time.monotonic()  # last time the loop finished a step or idled
         self._pending = 0  # requests in flight, as last seen by the engine thread
+        self._freed = False  # requests ended since the last heap trim
+        self._trimmed_at = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -133,6 +142,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 else:
+                    self._trim_when_idle()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                 self.progress_at = time.monotonic()
@@ -146,6 +156,14 @@ class EngineLoop:
             self._close(e)
             if self.on_fatal is not None:
                 self.on_fatal(e)
+
+    def _trim_when_idle(self) -> None:
+        now = time.monotonic()
+        if self._freed and now - self._trimmed_at >= _TRIM_EVERY_S:
+            release_free_memory()
+            self._freed = False
+            self._trimmed_at = time.monotonic()
+            self.metrics.heap_trims += 1
 
     def _close(self, e: BaseException) -> None:
         """Fail the requests in flight and refuse the adds still queued."""
@@ -194,6 +212,7 @@ class EngineLoop:
         except Exception:  # already finished inside the engine
             log.debug("abort of %s: engine had nothing to abort", rid, exc_info=True)
         self.metrics.on_request_done(aborted=True)
+        self._freed = True
 
     def _fail(self, rid: str, e: BaseException) -> None:
         stream = self._streams.pop(rid, None)
@@ -233,6 +252,7 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                self._freed = True
                 failed = out.finish_reason == "error"
                 self.metrics.on_request_done(aborted=failed)
                 if failed:

@@ -141,6 +141,10 @@ def check_structure(data: Any, limits: RequestLimits) -> None:
     stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 1, ())]
     while stack:
         value, depth, path = stack.pop()
+        if not isinstance(value, (dict, list)):  # only the top level can be a scalar here
+            if isinstance(value, str):
+                _check_text(value, path)
+            continue
         if depth > limits.max_json_depth:
             raise _limit(f"the JSON body is nested deeper than {limits.max_json_depth} levels", path,
                          code="invalid_json")

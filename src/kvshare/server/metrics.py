@@ -12,6 +12,8 @@ import time
 from collections import deque
 from typing import Any
 
+from kvshare.server.memory import rss_bytes
+
 _RATE_WINDOW_S = 10.0
 
 # cumulative EngineStats fields: exposed as counters named kvshare_engine_<field>_total
@@ -70,6 +72,7 @@ class ServerMetrics:
         self.generated_tokens_total = 0
         self.steps_total = 0
         self.step_seconds_total = 0.0
+        self.heap_trims = 0  # times the idle engine loop returned free heap pages to the OS
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -168,6 +171,10 @@ class ServerMetrics:
         metric("kvshare_engine_steps_total", "counter", "Engine steps run.", self.steps_total)
         metric("kvshare_engine_step_seconds_total", "counter", "Seconds spent in engine steps.",
                self.step_seconds_total)
+        metric("process_resident_memory_bytes", "gauge", "Resident memory of the server process in bytes.",
+               rss_bytes())
+        metric("kvshare_heap_trims_total", "counter",
+               "Times the idle engine loop returned the C heap's free pages to the OS (malloc_trim).", self.heap_trims)
         for key, value in _other_stats(stats):
             if key in _ENGINE_COUNTERS:
                 metric(f"kvshare_engine_{key}_total", "counter", f"EngineStats.{key} since the engine started.",
