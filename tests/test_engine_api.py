@@ -46,7 +46,7 @@ def test_bad_requests_fail_alone_and_the_rest_finish(model):
         "empty": ([], greedy(3), "empty"),
         "temp": (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
         "topp": (PROMPT, SamplingParams(top_p=0.0), "top_p"),
-        "maxtok": (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+        "maxtok": (PROMPT, SamplingParams(max_tokens=-1), "max_tokens"),
         "vocab": ([1, 999], greedy(3), "token ids"),
         "text": ("hello", greedy(3), "tokenizer"),
         "ok1": (PROMPT, greedy(3), "already in use"),

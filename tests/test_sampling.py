@@ -9,7 +9,7 @@ from kvshare.errors import RequestError
 
 @pytest.mark.parametrize("kw", [
     dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-    dict(top_k=-2), dict(max_tokens=0), dict(max_tokens=1.5), dict(stop=[""]), dict(stop_token_ids=[300]),
+    dict(top_k=-2), dict(max_tokens=-1), dict(max_tokens=1.5), dict(stop=[""]), dict(stop_token_ids=[300]),
     dict(seed="x"),
 ])
 def test_invalid_params_raise_request_error(kw):

@@ -25,6 +25,8 @@ from kvshare.errors import CheckpointError
 Message = dict[str, str]
 
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
+# names of the byte tokenizer's special ids (DeepSeek's spelling), as in the shipped tokenizer.json
+BYTE_SPECIAL_NAMES = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "pad": "<｜▁pad▁｜>"}
 
 # Built-in chat template of the byte tokenizer: per message a `<|role|>` header line, the content, a newline.
 _BYTE_ROLE_HEADER = "<|{role}|>\n"
@@ -109,6 +111,12 @@ class ByteTokenizer:
         """All ids that end generation."""
         return [self.eos_token_id] if self.eos_token_id is not None else []
 
+    def special_name(self, token_id: int) -> str:
+        """The name of a special id (`tokenizer.json` uses the same): bos, eos, pad, else `<|special_N|>`."""
+        names = {self.bos_token_id: BYTE_SPECIAL_NAMES["bos"], self.eos_token_id: BYTE_SPECIAL_NAMES["eos"],
+                 self.pad_token_id: BYTE_SPECIAL_NAMES["pad"]}
+        return names.get(token_id) or f"<|special_{token_id}|>"
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """UTF-8 bytes of `text`, after bos when asked for and the vocabulary has one."""
         ids = list(text.encode("utf-8"))
@@ -120,20 +128,42 @@ class ByteTokenizer:
         """Text of the byte ids; invalid UTF-8 becomes U+FFFD, special ids are dropped."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The built-in template: `<|role|>` line, the content, a newline, per message."""
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, thinking: bool = False) -> str:
+        """The built-in template: `<|role|>` line, the content, a newline, per message.
+
+        With `tools`, their section (`server/tool_calls.render_tools`) ends the first system message
+        (one is added in front when there is none); an assistant turn's `tool_calls` follow its
+        content as a DSML block. `thinking`: the generation prompt ends with `<think>` (DeepSeek-V4's
+        thinking mode), and earlier assistant turns' reasoning is not shown, as in V4."""
+        msgs = [dict(m) for m in messages]
+        if tools:
+            from kvshare.server.tool_calls import render_tools
+
+            section = render_tools(tools)
+            first = next((m for m in msgs if m["role"] == "system"), None)
+            if first is None:
+                msgs.insert(0, {"role": "system", "content": section})
+            else:
+                first["content"] = (str(first.get("content") or "") + "\n\n" + section).lstrip("\n")
         parts = []
-        for m in messages:
-            parts.append(_BYTE_ROLE_HEADER.format(role=m["role"]) + str(m.get("content") or "") + _BYTE_TURN_END)
+        for m in msgs:
+            content = str(m.get("content") or "")
+            if m.get("tool_calls"):
+                from kvshare.server.tool_calls import render_tool_calls
+
+                content = (content + "\n" if content else "") + render_tool_calls(m["tool_calls"])  # type: ignore[arg-type]
+            parts.append(_BYTE_ROLE_HEADER.format(role=m["role"]) + content + _BYTE_TURN_END)
         if add_generation_prompt:
-            parts.append(_BYTE_ROLE_HEADER.format(role="assistant"))
+            parts.append(_BYTE_ROLE_HEADER.format(role="assistant") + ("<think>" if thinking else ""))
         return "".join(parts)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True
+        self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True,
+        tools: list[dict] | None = None, thinking: bool = False,
     ) -> list[int] | str:
         """Render the conversation; ids start with bos when `tokenize`."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools, thinking)
         return self.encode(text, add_bos=True) if tokenize else text
 
     def incremental_decoder(self) -> IncrementalDecoder:
@@ -264,12 +294,20 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True
+        self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True,
+        tools: list[dict] | None = None, thinking: bool = False,
     ) -> list[int] | str:
-        """Render with the model's jinja2 template, or the byte tokenizer's format when it has none."""
+        """Render with the model's jinja2 template, or the byte tokenizer's format when it has none.
+
+        `tools` and `thinking` reach a jinja template as the variables `tools`, `thinking` and
+        `enable_thinking`; a template that never reads them cannot honour them (ValueError)."""
         if self.chat_template is None:
-            text = ByteTokenizer().render_chat(messages, add_generation_prompt)
+            text = ByteTokenizer().render_chat(messages, add_generation_prompt, tools, thinking)
             return self.encode(text, add_bos=True) if tokenize else text
+        if tools and "tools" not in self.chat_template:
+            raise ValueError("this model's chat template does not render tools")
+        if thinking and "thinking" not in self.chat_template:
+            raise ValueError("this model's chat template has no thinking mode")
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -281,6 +319,9 @@ class HFTokenizer:
         text = env.from_string(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            thinking=thinking,
+            enable_thinking=thinking,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
@@ -308,13 +349,17 @@ def _model_dir(name: str) -> Path | None:
 def load_tokenizer(model_dir_or_name: str | Path) -> Tokenizer:
     """The tokenizer of a model directory, shipped model or shipped config name.
 
-    A directory with `tokenizer.json` gets an `HFTokenizer`; anything else a `ByteTokenizer`
-    sized from the model config (its vocab_size, bos and eos ids) when one can be found.
+    A directory with `tokenizer.json` gets an `HFTokenizer`, unless the file is the byte tokenizer's
+    (`tokenizer_json.is_byte_level`); anything else a `ByteTokenizer` sized from the model config
+    (its vocab_size, bos and eos ids) when one can be found.
     """
     name = str(model_dir_or_name)
     d = _model_dir(name)
     if d is not None and (d / "tokenizer.json").is_file():
-        return HFTokenizer(d)
+        from kvshare.tokenizer_json import is_byte_level
+
+        if not is_byte_level(d / "tokenizer.json"):  # the byte tokenizer's own file: keep the built-in one
+            return HFTokenizer(d)
     try:
         from kvshare.config import load_config
 

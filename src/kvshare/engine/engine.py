@@ -25,6 +25,8 @@ from kvshare.cache.pool import BlockPool
 from kvshare.engine.args import (EngineArgs, apply_threads, build_layout, checkpoint_budget, pool_blocks,
                                  resolve_batch_invariant, resolve_device, resolve_dtype)
 from kvshare.engine.isolation import run_isolated, sample_isolated
+from kvshare.engine.logprobs import record_prompt_logprobs, sampled_top_logprobs
+from kvshare.engine.structured import StructuredOutputs
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.model.dtypes import weight_bytes
 from kvshare.engine.outputs import EngineStats, RequestOutput
@@ -87,6 +89,10 @@ class LLMEngine:
         if tokenizer is not None:
             eos |= set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.eos_ids = frozenset(i for i in eos if i is not None)
+        self.sampler.eos_ids = self.eos_ids
+        self.structured = StructuredOutputs(tokenizer, self.cfg.vocab_size, self.eos_ids)
+        self.sampler.masks_for = self.structured.masks
+        self.runner.on_prompt_rows = record_prompt_logprobs
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self._suspects: set[str] = set()  # request ids whose chunks run alone (see isolation)
@@ -164,13 +170,25 @@ class LLMEngine:
                                    f"[0, {self.cfg.vocab_size})")
         if not ids:
             raise RequestError(f"request {request_id!r}: the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
+        if params.prompt_logprobs is not None and self.speculator is not None:
+            raise RequestError(f"request {request_id!r}: invalid sampling params: prompt_logprobs is not available "
+                               "with speculative decoding")
         if len(ids) > self.max_model_len:
             raise RequestError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than max_model_len "
                                f"{self.max_model_len}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"request {request_id!r}: cache_salt must be a string")
+        if params.structured is not None:
+            try:
+                self.structured.add(request_id, params.structured)
+            except RequestError as e:
+                raise RequestError(f"request {request_id!r}: {e}") from None
         seq = Sequence(request_id, text, ids, params, next(self._order))
         seq.cache_salt = cache_salt
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [None] * len(ids), [None] * len(ids)
         if self.tokenizer is not None and hasattr(self.tokenizer, "incremental_decoder"):
             seq.detok = self.tokenizer.incremental_decoder()
         self.requests[request_id] = seq
@@ -216,23 +234,32 @@ class LLMEngine:
             picked = sample_isolated(self.sampler, logits, [s.params for s in seqs], [s.request_id for s in seqs],
                                      [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
             now = time.perf_counter()
-            for seq, got in zip(seqs, picked):
+            for j, (seq, got) in enumerate(zip(seqs, picked)):
                 if isinstance(got, BaseException):
                     self._fail(seq, got, outputs)
                 else:
-                    self._emit(seq, [got[0]], [got[1]], now, outputs)
+                    self._emit(seq, [got[0]], [got[1]], now, outputs, logits[j:j + 1])
         return outputs
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float,
-              outputs: list[RequestOutput]) -> None:
+              outputs: list[RequestOutput], rows: torch.Tensor | None = None) -> None:
         """Append a request's new tokens in order (stopping at the first that finishes it), record
         its first-token time and report it. Shared by plain and speculative steps; a failure here
-        (say a detokeniser error) fails this request only."""
+        (say a detokeniser error) fails this request only. `rows`: the raw logits behind each token
+        (for top-k logprobs). A request with max_tokens 0 finishes here, its sampled token dropped."""
+        if seq.params.max_tokens == 0:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            self._retire(seq)
+            outputs.append(RequestOutput.of(seq))
+            return
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         try:
-            for tok, lp in zip(tokens, logprobs):
-                self._append(seq, tok, lp)
+            k = seq.params.num_logprobs
+            tops = (sampled_top_logprobs(rows, k) if k and rows is not None
+                    else [{} if k is not None else None for _ in tokens])
+            for tok, lp, top in zip(tokens, logprobs, tops):
+                self._append(seq, tok, lp, top)
                 self._stats.generation_tokens += 1
                 if seq.is_finished:
                     break
@@ -248,25 +275,33 @@ class LLMEngine:
         self._retire(seq)
         outputs.append(RequestOutput.of(seq))
 
-    def _append(self, seq: Sequence, tok: int, lp: float) -> None:
+    def _append(self, seq: Sequence, tok: int, lp: float, top: dict[int, float] | None = None) -> None:
         """Add a sampled token, update the text, finish the request if a stop rule fires.
 
         Stop tokens (eos unless ignore_eos, stop_token_ids) stay in token_ids but add no text; a
-        stop string ends the text just before it.
+        stop string ends the text just before it (after it with include_stop_str_in_output; the
+        earliest match wins). `stop_reason` records a stop token id or stop string. Until
+        min_tokens tokens exist, stop strings do not fire (stop tokens are masked by the sampler).
         """
-        seq.append_token(tok, lp)
+        seq.append_token(tok, lp, top)
         p = seq.params
         reason, cut = None, False
+        if p.structured is not None and self.structured.accept(seq.request_id, tok):
+            reason = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = SequenceStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
         elif seq.detok is not None:
             piece = seq.detok.step([tok])
-            if piece and p.stop:
+            if piece and p.stop and len(seq.output_token_ids) >= p.min_tokens:
                 lo = max(0, len(seq.output_text) - max(len(s) for s in p.stop) + 1)
                 seq.output_text += piece
-                hits = [k for k in (seq.output_text.find(s, lo) for s in p.stop) if k >= 0]
+                hits = [(k, s) for s in p.stop if (k := seq.output_text.find(s, lo)) >= 0]
                 if hits:
-                    seq.output_text = seq.output_text[:min(hits)]
+                    k, hit = min(hits, key=lambda h: (h[0], -len(h[1])))
+                    seq.output_text = seq.output_text[:k + len(hit) if p.include_stop_str_in_output else k]
+                    seq.stop_reason = hit
                     reason, cut = SequenceStatus.FINISHED_STOPPED, True
             else:
                 seq.output_text += piece
@@ -280,6 +315,7 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
+        self.structured.forget(seq.request_id)
         self._suspects.discard(seq.request_id)
         self.sampler.forget(seq.request_id)
 

@@ -4,7 +4,9 @@ Per step it builds the flat token ids, the ragged StepBatch (positions, seq_inde
 chunk starts/lengths, and the same as host ints), the request slots and the block tables (one
 gather from the block manager's per-slot table), the step's `StepAddresses` (bound to the backend
 with ``begin_step``), calls ``model.forward(input_ids, batch, backend)``, then ``end_step``, and
-returns the logits of the last token of every chunk that samples, in chunk order.
+returns the logits of the last token of every chunk that samples, in chunk order. A chunk of a
+request that asks for prompt log-probabilities (run through ``run``) gets logits for all its rows,
+handed to ``on_prompt_rows``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,19 @@ class ModelRunner:
         self.device = torch.device(device)
         # Called with (input_ids, batch) before each forward (tensor parallelism sends them to the workers).
         self.before_forward: Callable[[torch.Tensor, StepBatch], None] | None = None
+        # Called with (sequence, first position, logits rows [L, V]) for chunks that want every row.
+        self.on_prompt_rows: Callable[..., None] | None = None
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, StepBatch, list[int]]:
-        """(input_ids [T], batch, indices of the chunks that sample)."""
+    @staticmethod
+    def _all_rows(c: ScheduledChunk) -> bool:
+        """Whether `c` covers prompt positions of a request that asks for prompt logprobs."""
+        return getattr(c.seq.params, "prompt_logprobs", None) is not None and not c.draft \
+            and c.start < len(c.seq.prompt_token_ids) - 1
+
+    def build_batch(self, chunks: list[ScheduledChunk],
+                    all_rows: bool = False) -> tuple[torch.Tensor, StepBatch, list[int]]:
+        """(input_ids [T], batch, indices of the chunks that sample); with `all_rows`, chunks that
+        want prompt logprobs get logits for every row (``run`` splits them off)."""
         starts = [c.start for c in chunks]
         lens = [c.length + len(c.draft) for c in chunks]
         slots = [c.seq.slot for c in chunks]
@@ -45,7 +57,8 @@ class ModelRunner:
         ends = list(itertools.accumulate(lens))
         back = getattr(self.model, "engram_lookback", 0)  # Engram hashes need the ids before each chunk
         prev = [c.seq.token_slice(max(0, c.start - back), c.start) for c in chunks] if back else None
-        rows = [r for e, c in zip(ends, chunks) for r in range(e - 1 - len(c.draft), e)]
+        rows = [r for e, n, c in zip(ends, lens, chunks)
+                for r in range(e - (n if all_rows and self._all_rows(c) else 1 + len(c.draft)), e)]
         batch = StepBatch.build(starts, lens, slots, block_tables=tables, logit_rows=rows, device=self.device,
                                 prev_tokens=prev)
         return input_ids, batch, sampling
@@ -65,10 +78,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
-        input_ids, batch, sampling = self.build_batch(chunks)
+        wide = self.on_prompt_rows is not None and any(self._all_rows(c) for c in chunks)
+        input_ids, batch, sampling = self.build_batch(chunks, all_rows=wide)
         if self.before_forward is not None:
             self.before_forward(input_ids, batch)
         logits = self.forward(input_ids, batch)
+        if wide:  # hand each wide chunk its rows, keep each chunk's last row
+            last, r = [], 0
+            for c in chunks:
+                n = c.length if self._all_rows(c) else 1
+                if self._all_rows(c):
+                    self.on_prompt_rows(c.seq, c.start, logits[r:r + n])  # type: ignore[misc]
+                r += n
+                last.append(r - 1)
+            logits = logits.index_select(0, torch.tensor(last, dtype=torch.int64, device=logits.device))
         if len(sampling) != len(chunks):
             logits = logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=logits.device))
         return logits.float(), sampling

@@ -13,8 +13,11 @@ class RequestOutput:
 
     ``finish_reason`` is "stop" (eos, stop token or stop string), "length" (max_tokens or
     max_model_len), "abort", or "error" (the request was rejected by ``LLM.generate``, or failed
-    alone inside a step; ``error`` says why); None while running. ``logprobs`` holds the chosen tokens' logprobs
-    when the request asked for them.
+    alone inside a step; ``error`` says why); None while running. ``stop_reason`` is the stop token id
+    or stop string that ended it (None for eos, length, abort). Log-probabilities (raw, see
+    ``logprobs.py``) when the request asked for them: ``logprobs`` of the chosen tokens,
+    ``top_logprobs`` (one {id: logprob} dict of the k most likely per output token, empty for k = 0),
+    ``prompt_logprobs`` (None first, then per prompt token) and ``prompt_top_logprobs`` alike.
     """
 
     request_id: str
@@ -29,6 +32,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (not computed) at admission
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
@@ -41,11 +48,24 @@ class RequestOutput:
             new_token_ids=list(seq.new_token_ids),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            logprobs=list(seq.output_logprobs) if seq.params.num_logprobs is not None else None,
             metrics=seq.metrics,
             error=seq.error,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            top_logprobs=list(seq.output_top_logprobs) if seq.params.num_logprobs is not None else None,
+            prompt_logprobs=_prompt_lps(seq),
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if _prompt_lps(seq) is not None else None,  # type: ignore[arg-type]
+            stop_reason=seq.stop_reason,
         )
+
+
+def _prompt_lps(seq: Sequence) -> list[float | None] | None:
+    """The prompt logprobs once the whole prompt has been computed (None before, or not asked)."""
+    if seq.params.prompt_logprobs is None or seq.prompt_logprobs is None:
+        return None
+    if seq.num_computed < len(seq.prompt_token_ids) and not seq.is_finished:
+        return None
+    return list(seq.prompt_logprobs)
 
 
 @dataclass

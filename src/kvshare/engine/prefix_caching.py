@@ -67,6 +67,8 @@ class PrefixCaching:
         """The hit for a waiting sequence (no side effects on blocks or rings)."""
         b = self.block_size
         cap = (seq.num_tokens - 1) // b * b
+        if seq.params.prompt_logprobs is not None:  # every prompt row must compute its logits
+            cap = 0
         hashes = self._hashes(seq, cap // b)
         return self.cache.lookup(seq.token_slice(0, cap), hashes, cap, seq.cache_salt)
 

@@ -10,20 +10,28 @@ from ``softmax(x)`` without computing it. Rows without a seed draw E from the en
 in one call; rows with a seed draw from their own ``torch.Generator`` seeded once per request, so
 a seeded request's tokens do not depend on what else is in the batch (one small draw per seeded row).
 
+Before penalties, the request's logits processors run (``logits_processors.py``: allowed_token_ids,
+min_tokens, logit_bias, a structured-output mask), as in vLLM.
+
 The returned logprob is that of the chosen token under the model's unmodified distribution
-(``log_softmax`` of the raw logits), as vLLM reports by default.
+(``log_softmax`` of the raw logits), as vLLM reports by default (``logprobs.py`` says more).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
+from kvshare.engine.logits_processors import apply_processors
+from kvshare.engine.logprobs import MAX_LOGPROBS, num_logprobs
 from kvshare.engine.param_ranges import check_ranges
 from kvshare.engine.penalties import History, apply_penalties
 from kvshare.errors import RequestError
+
+MAX_LOGIT_BIAS = 4096  # entries per request (vLLM does not bound it; OpenAI allows 300)
 
 
 @dataclass
@@ -38,11 +46,19 @@ class SamplingParams:
     stop: list[str] | str = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    # None/False: no logprobs; True or 0: the chosen tokens' logprobs; k <= 20: also the top k of each step
+    logprobs: int | bool | None = None
+    prompt_logprobs: int | None = None  # None: none; k in [0, 20]: each prompt token's logprob and top k
     presence_penalty: float = 0.0  # in [-2, 2]; subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # in [-2, 2]; subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0, 1 = off; over prompt + output (see penalties.py)
     min_p: float = 0.0  # in [0, 1]; 0 = off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to the logit
+    allowed_token_ids: list[int] | None = None  # sample only these ids
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (k >= 1)
+    structured: Any = None  # engine/structured.StructuredSpec: a grammar the output must follow
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> RequestError:
@@ -65,8 +81,8 @@ class SamplingParams:
             raise bad(f"repetition_penalty must be a number > 0 (1 = off), got {r!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise bad(f"max_tokens must be an integer >= 0 (0: score the prompt only), got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -74,9 +90,15 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
         check_ranges(self)
+        _check_extras(self, vocab_size, bad)
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 raise bad(f"stop_token_ids entry {tid!r} is not a token id in [0, {vocab_size})")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; 0: the chosen tokens' only; k: also the top k alternatives per step."""
+        return num_logprobs(self.logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +107,37 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _check_extras(p: SamplingParams, vocab: int | None, bad: Callable[[str], RequestError]) -> None:
+    """Validate the logprob, processor and truncation fields (module doc of each says what they do)."""
+    def is_id(t: object) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab is None or t < vocab)
+
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        if v is not None and not isinstance(v, bool) and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+            raise bad(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict) or len(p.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+        for t, b in p.logit_bias.items():
+            if not is_id(t) or not _is_real(b) or not -100 <= b <= 100:
+                raise bad(f"logit_bias entry {t!r}: {b!r} must map a token id in [0, {vocab}) to a bias in [-100, 100]")
+    if p.allowed_token_ids is not None:
+        ids = p.allowed_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids or not all(is_id(t) for t in ids):
+            raise bad(f"allowed_token_ids must be a non-empty list of token ids in [0, {vocab})")
+    if not isinstance(p.min_tokens, int) or isinstance(p.min_tokens, bool) or not 0 <= p.min_tokens <= p.max_tokens:
+        raise bad(f"min_tokens must be an integer in [0, max_tokens = {p.max_tokens}], got {p.min_tokens!r}")
+    if p.structured is not None:
+        from kvshare.engine.structured import KINDS, StructuredSpec
+
+        if not isinstance(p.structured, StructuredSpec) or p.structured.kind not in KINDS:
+            raise bad(f"structured must be a StructuredSpec of kind {'/'.join(KINDS)}, got {p.structured!r}")
+    t = p.truncate_prompt_tokens
+    if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+        raise bad(f"truncate_prompt_tokens must be None or an integer >= 1, got {t!r}")
 
 
 def _is_real(v: object) -> bool:
@@ -99,6 +152,9 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seq_generators: dict[str, torch.Generator] = {}
+        self.eos_ids: frozenset[int] = frozenset()  # masked by min_tokens (the engine sets them)
+        # Structured output: request ids -> per row a boolean [V] mask of allowed ids or None (engine sets it).
+        self.masks_for: Callable[[list[str]], list[torch.Tensor | None]] | None = None
 
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:
         g = self._seq_generators.get(request_id)
@@ -123,7 +179,10 @@ class Sampler:
         raw = logits.float()
         n, vocab = raw.shape
         dev = raw.device
-        logits = self._penalised(raw, params, histories)
+        out_lens = [len(h[1]) for h in histories] if histories is not None else [0] * n
+        masks = self.masks_for(request_ids) if self.masks_for is not None else None
+        logits = apply_processors(raw, params, out_lens, self.eos_ids, masks)
+        logits = self._penalised(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand:

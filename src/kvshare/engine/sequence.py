@@ -69,6 +69,11 @@ class Sequence:
     arrival_order: int
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # logprobs.py: per output token its top-k alternatives (when asked); per prompt position its logprob
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it (None: eos/length)
     output_text: str = ""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0
@@ -116,9 +121,11 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
-    def append_token(self, token: int, logprob: float) -> None:
+    def append_token(self, token: int, logprob: float, top: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token)
         self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
         self.new_token_ids.append(token)
 
     def reset_for_recompute(self) -> None:

@@ -37,6 +37,7 @@ import torch
 from kvshare.engine.outputs import RequestOutput
 from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvshare.engine.sequence import Sequence
+from kvshare.engine.logits_processors import processed_rows
 from kvshare.engine.spec_accept import draft_choice, penalised_rows, verify
 from kvshare.engine.spec_config import SpeculativeConfig
 from kvshare.model.dspark import DSparkDraft
@@ -172,7 +173,7 @@ class Speculator:
             toks, lps = eng.sampler(logits[rows].float(), [s.params for s in seqs], [s.request_id for s in seqs],
                                     [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
             for i, t, lp, r in zip(plain, toks.tolist(), lps.tolist(), rows.tolist()):
-                new_tokens[i] = ([t], [lp], logits[r])
+                new_tokens[i] = ([t], [lp], logits[r:r + 1])
         if picked:
             for i, (toks, lps, row) in self._accept(chunks, picked, logits, ends, q).items():
                 new_tokens[i] = (toks, lps, row)
@@ -182,7 +183,7 @@ class Speculator:
     def _accept(self, chunks: list[ScheduledChunk], picked: list[tuple[int, int]], logits: torch.Tensor,
                 ends: list[int], q: torch.Tensor | None) -> dict[int, tuple[list[int], list[float], torch.Tensor]]:
         """Verify the drafted chunks: chunk index -> (accepted drafts + bonus, their logprobs, the
-        logits row behind the bonus); updates the acceptance statistics."""
+        logits rows behind them); updates the acceptance statistics."""
         eng, dev = self.engine, logits.device
         idx = [i for i, _ in picked]
         k_max = max(k for _, k in picked)
@@ -190,7 +191,9 @@ class Speculator:
                             device=dev)
         d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
         seqs = [chunks[i].seq for i in idx]
-        verified = penalised_rows(logits[rows], [chunks[i].draft for i in idx], seqs)
+        drafts = [chunks[i].draft for i in idx]
+        masks = eng.structured.draft_masks([s.request_id for s in seqs], drafts, k_max + 1)
+        verified = penalised_rows(processed_rows(logits[rows], seqs, eng.eos_ids, masks), drafts, seqs)
         acc, bonus = verify(verified, d, torch.tensor([k for _, k in picked], device=dev),
                             q[:, :k_max] if q is not None else None, [s.params for s in seqs],
                             [s.request_id for s in seqs], eng.sampler)
@@ -200,7 +203,7 @@ class Speculator:
             a = int(acc[n])
             toks = chunks[i].draft[:a] + [int(bonus[n])]
             lps = lsm[rows[n, : a + 1], torch.tensor(toks, device=dev)].tolist()
-            out[i] = (toks, lps, logits[rows[n, a]])
+            out[i] = (toks, lps, logits[rows[n, : a + 1]])
             self.acceptance_counts[a] += 1
         st = eng._stats.extra
         st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(picked)
@@ -239,8 +242,8 @@ class Speculator:
             toks, lps, row = new_tokens[i]
             seq = chunks[i].seq
             if self.record_logits is not None:
-                self.record_logits[seq.request_id] = row
-            eng._emit(seq, toks, lps, now, outputs)
+                self.record_logits[seq.request_id] = row[-1]
+            eng._emit(seq, toks, lps, now, outputs, row)
         if eng.prefix is not None:  # accepted drafts are token ids now: their blocks and boundaries
             eng.prefix.end_step(chunks)
         return outputs

@@ -30,10 +30,15 @@ from kvshare.engine.sampling import SamplingParams
 from kvshare.server.body_parser import BodyParser
 from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, internal_error
-from kvshare.server.generation import ServerState, admit, generate
+from kvshare.server.generation import Job, ServerState, admit, generate
 from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
 from kvshare.server.openapi import install_openapi
-from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvshare.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                     ModelList, TokenizeRequest)
+from kvshare.engine.structured import StructuredSpec
+from kvshare.server.responses import ReplyOptions
+from kvshare.server.tool_calls import tool_grammar
+from kvshare.server.tokenize import tokenize_body
 from kvshare.server.security import AccessPolicy, install
 
 log = logging.getLogger("kvshare.server")
@@ -104,13 +109,18 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         try:
             req = await parser.parse(await request.body(), CompletionRequest)
             _check_model(state, req.model)
-            prompt = req.prompt
-            n_prompt = len(prompt) if isinstance(prompt, list) else await _count_tokens(state, prompt)
-            if isinstance(prompt, list):
-                _check_ids(state, prompt)
-            params = _sampling_params(state, req, req.max_tokens or 16, n_prompt, "prompt")
-            return await generate(state, request, "completion", prompt, params, req.stream, req.include_usage,
-                                  req.wants_logprobs, req.cache_salt, slot=slot)
+            prompts = await _completion_prompts(state, req)
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            params = _sampling_params(state, req, max_tokens, max(len(p[0]) for p in prompts), "prompt")
+            echo_lps = req.echo and req.logprobs is not None
+            if echo_lps or req.prompt_logprobs is not None:  # echo needs the prompt tokens' logprobs
+                params.prompt_logprobs = (max(req.logprobs or 0, req.prompt_logprobs or 0) if echo_lps
+                                          else req.prompt_logprobs)
+            options = ReplyOptions(logprobs=req.num_logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
+                                   return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
+                                   include_usage=req.include_usage, continuous_usage=req.continuous_usage)
+            return await generate(state, request, Job("completion", prompts, params, req.n, req.stream, options,
+                                                      req.cache_salt), slot=slot)
         except BaseException:
             slot.close()
             raise
@@ -124,19 +134,50 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             _check_model(state, req.model)
             try:
                 conversation = req.conversation()
+                extra: dict[str, Any] = {}
+                if req.uses_tools:
+                    extra["tools"] = req.tools
+                if req.thinking:
+                    extra["thinking"] = True
+                render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True,
+                                           **extra)
                 chars = sum(len(m["content"]) for m in conversation)
                 _check_chars(state, chars, "messages")
-                render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True)
                 prompt_ids = list(await asyncio.to_thread(render) if chars > OFF_LOOP_BYTES else render())
             except (ValueError, TemplateError) as e:  # e.g. a template's raise_exception on role order
                 raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
-            return await generate(state, request, "chat", prompt_ids, params, req.stream, req.include_usage,
-                                  req.wants_logprobs, req.cache_salt, slot=slot)
+            params.prompt_logprobs = req.prompt_logprobs
+            if req.forced_tool is not False:  # tool_choice required / named: the output must be a call block
+                name = req.forced_tool if isinstance(req.forced_tool, str) else None
+                params.structured = StructuredSpec("grammar", tool_grammar(req.tools or [], name), "tool_choice")
+            options = ReplyOptions(logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
+                                   return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
+                                   include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+                                   tools=req.uses_tools, thinking=req.thinking,
+                                   single_tool_call=req.parallel_tool_calls is False)
+            return await generate(state, request, Job("chat", [(prompt_ids, "")], params, req.n, req.stream, options,
+                                                      req.cache_salt), slot=slot)
         except BaseException:
             slot.close()
             raise
+
+    @app.post("/tokenize")
+    @_guarded(state)
+    async def tokenize(request: Request) -> Response:
+        req = await parser.parse(await request.body(), TokenizeRequest)
+        _check_model(state, req.model)
+        return JSONResponse(tokenize_body(state, req))
+
+    @app.post("/detokenize")
+    @_guarded(state)
+    async def detokenize(request: Request) -> Response:
+        req = await parser.parse(await request.body(), DetokenizeRequest)
+        _check_model(state, req.model)
+        _check_ids(state, req.tokens, "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
 
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
                     model_name)
@@ -185,12 +226,35 @@ def _guarded(state: ServerState) -> Callable[[Handler], Handler]:
     return wrap
 
 
-async def _count_tokens(state: ServerState, prompt: str) -> int:
-    """Tokens of a text prompt; 400 before tokenising when it cannot fit the context anyway."""
+async def _completion_prompts(state: ServerState, req: CompletionRequest) -> list[tuple[list[int], str, Any]]:
+    """Per prompt (token ids, text to echo, what the engine gets: the text, or ids when truncated)."""
+    out: list[tuple[list[int], str, Any]] = []
+    keep = req.truncate_prompt_tokens
+    for p in req.prompts:
+        if isinstance(p, list):
+            _check_ids(state, p)
+            ids = list(p)
+            text = state.tokenizer.decode(ids) if req.echo else ""
+        else:
+            ids, text = await _encode(state, p), p
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+            out.append((ids, state.tokenizer.decode(ids), ids))
+        else:
+            out.append((ids, text, p))
+    return out
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens."""
+    return ids if keep is None else ids[-keep:]
+
+
+async def _encode(state: ServerState, prompt: str) -> list[int]:
+    """Token ids of a text prompt; 400 before tokenising when it cannot fit the context anyway."""
     _check_chars(state, len(prompt), "prompt")
     encode = functools.partial(state.tokenizer.encode, prompt, add_bos=True)
-    ids = await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_BYTES else encode()
-    return len(ids)
+    return list(await asyncio.to_thread(encode) if len(prompt) > OFF_LOOP_BYTES else encode())
 
 
 def _check_chars(state: ServerState, chars: int, param: str) -> None:
@@ -207,10 +271,10 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_ids(state: ServerState, ids: list[int]) -> None:
+def _check_ids(state: ServerState, ids: list[int], param: str = "prompt") -> None:
     vocab = getattr(state.tokenizer, "vocab_size", None)
     if vocab is not None and any(i >= vocab for i in ids):
-        raise APIError(400, f"prompt token ids must be < vocab_size {vocab}", param="prompt",
+        raise APIError(400, f"{param} token ids must be < vocab_size {vocab}", param=param,
                        code="invalid_value")
 
 
@@ -232,8 +296,10 @@ def _sampling_params(state: ServerState, req: Any, max_tokens: int | None, n_pro
     sampling.update({k: v for k, v in state.sampling_defaults.items()
                      if k in _SAMPLING_FIELDS and k not in req.model_fields_set})
     return SamplingParams(**sampling, seed=req.seed, max_tokens=max_tokens, stop=list(req.stop),
-                          ignore_eos=req.ignore_eos, logprobs=req.wants_logprobs,
-                          stop_token_ids=list(req.stop_token_ids or []))
+                          ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
+                          stop_token_ids=list(req.stop_token_ids or []), logit_bias=req.bias,
+                          allowed_token_ids=req.allowed_token_ids, min_tokens=req.min_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output, structured=req.structured)
 
 
 # Request fields a model's generation_config.json may default (a field the client sends wins).

@@ -247,6 +247,7 @@ class EngineLoop:
         new_tokens = 0
         for out in outputs:
             new_tokens += len(getattr(out, "new_token_ids", None) or ())
+            self.metrics.on_output(out)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

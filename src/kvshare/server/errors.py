@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -57,6 +58,10 @@ def from_validation_error(e: ValidationError) -> APIError:
     loc = ".".join(str(p) for p in first.get("loc", ()))
     msg = first.get("msg", "invalid value")
     msg = msg.removeprefix("Value error, ")
+    named = re.match(r"([A-Za-z_][\w.]*): ", msg)
+    if not loc and named:  # a model-level check about one field (protocol.FieldError)
+        loc = named.group(1)
+        msg = msg[named.end():]
     kind = first.get("type", "")
     code = "missing_parameter" if kind == "missing" else "invalid_value"
     return APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None, code=code)

@@ -16,10 +16,11 @@ same 503.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,7 +31,7 @@ from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, internal_error
 from kvshare.server.metrics import ServerMetrics
 from kvshare.server.protocol import new_id
-from kvshare.server.responses import DONE, ResponseBuilder, TextDeltas
+from kvshare.server.responses import DONE, ChoiceSpec, ReplyOptions, ResponseBuilder
 
 log = logging.getLogger("kvshare.server")
 
@@ -63,7 +64,7 @@ class ServerState:
         asyncio.get_running_loop().call_later(timeout_s, self.expire, timeout_s)
 
     def expire(self, timeout_s: float = 0.0) -> None:
-        """End every open request with a final ShuttingDown error (and abort it in the engine)."""
+        """End every open engine request with a final ShuttingDown error (and abort it in the engine)."""
         for rid, queue in list(self.queues.items()):
             queue.put_nowait(ShuttingDown(f"the server is shutting down; the request did not finish within "
                                           f"the {timeout_s:g} s drain limit"))
@@ -77,7 +78,8 @@ class ShuttingDown(RuntimeError):
 
 
 class _Slot:
-    """One admitted request: releases its concurrency slot and aborts its engine request once."""
+    """One admitted HTTP request: releases its concurrency slot and aborts its unfinished engine
+    requests (one per choice) once."""
 
     def __init__(self, state: ServerState) -> None:
         if state.draining:
@@ -86,21 +88,28 @@ class _Slot:
             raise APIError(429, f"too many concurrent requests (limit {state.max_concurrent_requests}); "
                                 "retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.state = state
-        self.request_id: str | None = None
-        self.finished = False
+        self.request_ids: list[str] = []
+        self.done: set[str] = set()
+        self.tasks: list[asyncio.Task] = []
         self._closed = False
         state.active += 1
         state.metrics.http_active = state.active
 
+    @property
+    def finished(self) -> bool:
+        return all(r in self.done for r in self.request_ids)
+
     def close(self) -> None:
-        """Abort the engine request unless it finished, and free the slot (idempotent)."""
+        """Abort the engine requests that did not finish, and free the slot (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self.request_id is not None:
-            self.state.queues.pop(self.request_id, None)
-        if self.request_id is not None and not self.finished:
-            self.state.loop.abort(self.request_id)
+        for t in self.tasks:
+            t.cancel()
+        for rid in self.request_ids:
+            self.state.queues.pop(rid, None)
+            if rid not in self.done:
+                self.state.loop.abort(rid)
         self.state.active -= 1
         self.state.metrics.http_active = self.state.active
 
@@ -129,49 +138,56 @@ def admit(state: ServerState) -> _Slot:
     return _Slot(state)
 
 
-async def generate(state: ServerState, request: Request, kind: str, prompt: str | list[int], params: Any,
-                   stream: bool, include_usage: bool, logprobs: bool = False,
-                   cache_salt: str | None = None, slot: _Slot | None = None) -> Response:
-    """Run one request through the engine; reply with an SSE stream or one JSON body.
+@dataclass
+class Job:
+    """What one HTTP request runs: its prompts (ids, text to echo, and optionally what the engine gets:
+    the text itself, which it tokenises to the same ids), engine params, n choices each."""
 
-    `slot` is the request's admission (`admit`), taken here when not given; it is closed when the
-    reply ends, however it ends."""
-    slot = slot or _Slot(state)
+    kind: str
+    prompts: list[tuple[Any, ...]]
+    params: Any
+    n: int = 1
+    stream: bool = False
+    options: ReplyOptions = field(default_factory=ReplyOptions)
+    cache_salt: str | None = None
+
+
+def _choice_params(params: Any, i: int) -> Any:
+    """Choice i of a prompt samples with seed + i (distinct samples, each reproducible)."""
+    if i == 0 or getattr(params, "seed", None) is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
+
+
+async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], params: Any, job: Job,
+               merged: asyncio.Queue, index: int) -> None:
+    """Add one engine request and forward its outputs to `merged` as (choice index, item)."""
+    slot.request_ids.append(rid)
     try:
-        rid = new_id("cmpl" if kind == "completion" else "chatcmpl")
-        slot.request_id = rid  # from here on, leaving early aborts it (a no-op if it never got in)
-        try:
-            queue = await _add(state, rid, prompt, params, cache_salt)
-        except RequestError as e:
-            named = re.search(r"invalid sampling params: (\w+)", str(e))
-            param = named.group(1) if named else "prompt" if kind == "completion" else "messages"
-            raise APIError(400, str(e), param=param, code="invalid_request") from e
-        except APIError:
-            raise
-        except Exception as e:
-            log.exception("adding request %s failed", rid)
-            raise internal_error(e) from e
-        state.queues[rid] = queue
-        builder = ResponseBuilder(kind, rid, state.model_name,  # type: ignore[arg-type]
-                                  tokenizer=state.tokenizer if logprobs else None)
-        if stream:
-            events = _events(state, slot, queue, builder, include_usage, list(getattr(params, "stop", None) or []))
-            return _GuardedStream(events, slot.close)
-        try:
-            out = await _collect(slot, queue, request)
-        except ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(builder.full(out))
-    except BaseException:
-        slot.close()
+        queue = await _engine_add(state, rid, prompt, params, job.cache_salt)
+    except RequestError as e:
+        named = re.search(r"invalid sampling params: ([\w.]+)", str(e))
+        param = named.group(1) if named else "prompt" if job.kind == "completion" else "messages"
+        raise APIError(400, str(e), param=param, code="invalid_request") from e
+    except APIError:
         raise
-    finally:
-        if not stream:
-            slot.close()
+    except Exception as e:
+        log.exception("adding request %s failed", rid)
+        raise internal_error(e) from e
+    state.queues[rid] = queue
+
+    async def forward() -> None:
+        while True:
+            item = await queue.get()
+            merged.put_nowait((index, item))
+            if isinstance(item, BaseException) or item.finished:
+                return
+
+    slot.tasks.append(asyncio.get_running_loop().create_task(forward()))
 
 
-async def _add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
-               cache_salt: str | None) -> asyncio.Queue:
+async def _engine_add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
+                      cache_salt: str | None) -> asyncio.Queue:
     """`state.loop.add(...)`, which `ServerState.expire` can end with a 503 while the engine is stuck."""
     adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt))
     state.adding[rid] = adding
@@ -187,6 +203,100 @@ async def _add(state: ServerState, rid: str, prompt: str | list[int], params: An
         state.adding.pop(rid, None)
 
 
+async def generate(state: ServerState, request: Request, job: Job, slot: _Slot | None = None) -> Response:
+    """Run one request's choices through the engine; reply with an SSE stream or one JSON body.
+
+    ``n`` > 1: the first choice of each prompt is added alone; the others are added once its first
+    output arrives, which the engine sends when the whole prompt has been computed — so with
+    prefix caching (the default) they adopt its cached blocks and compute only the prompt's last
+    partial block. Choice i samples with ``seed + i`` when a seed is given.
+
+    `slot` is the request's admission (`admit`), taken here when not given; it is closed when the
+    reply ends, however it ends."""
+    slot = slot or _Slot(state)
+    try:
+        base = new_id("cmpl" if job.kind == "completion" else "chatcmpl")
+        specs: list[ChoiceSpec] = []
+        merged: asyncio.Queue = asyncio.Queue()
+        followers: dict[int, list[int]] = {}
+        for pi, (ids, text, *_) in enumerate(job.prompts):
+            for i in range(job.n):
+                specs.append(ChoiceSpec(pi * job.n + i, ids, text, leader=i == 0))
+            followers[pi * job.n] = [pi * job.n + i for i in range(1, job.n)]
+        single = len(specs) == 1
+
+        def rid_of(index: int) -> str:
+            return base if single else f"{base}-{index}"
+
+        async def add(index: int) -> None:
+            pi, i = divmod(index, job.n)
+            prompt = job.prompts[pi][2] if len(job.prompts[pi]) > 2 else job.prompts[pi][0]  # type: ignore[misc]
+            await _add(state, slot, rid_of(index), prompt, _choice_params(job.params, i), job,
+                       merged, index)
+
+        for leader in followers:
+            await add(leader)
+        builder = ResponseBuilder(job.kind, base, state.model_name, tokenizer=state.tokenizer,  # type: ignore[arg-type]
+                                  choices=specs, options=job.options,
+                                  stop=list(getattr(job.params, "stop", None) or []))
+        run = _Run(slot, merged, followers, add, rid_of, len(specs))
+        if job.stream:
+            return _GuardedStream(_events(state, run, builder), slot.close)
+        try:
+            outs = await run.collect(request)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(builder.full(outs))
+    except BaseException:
+        slot.close()
+        raise
+    finally:
+        if not job.stream:
+            slot.close()
+
+
+class _Run:
+    """The choices of one request in flight: outputs by choice, followers added after their leader."""
+
+    def __init__(self, slot: _Slot, merged: asyncio.Queue, followers: dict[int, list[int]],
+                 add: Callable[[int], Awaitable[None]], rid_of: Callable[[int], str], total: int) -> None:
+        self.slot, self.merged, self.followers, self.add, self.rid_of = slot, merged, followers, add, rid_of
+        self.total = total
+        self.outs: dict[int, Any] = {}
+        self.finished: set[int] = set()
+
+    async def next(self, request: Request | None) -> tuple[int, Any]:
+        """The next (choice index, output); raises the failure of a choice (the request fails whole)."""
+        index, item = await _next_output(self.merged, request)
+        if isinstance(item, BaseException):
+            self.slot.done.add(self.rid_of(index))
+            raise item
+        self.outs[index] = item
+        if item.finished:
+            self.finished.add(index)
+            self.slot.done.add(self.rid_of(index))
+        for f in self.followers.pop(index, []):
+            await self.add(f)
+        return index, item
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.total
+
+    async def collect(self, request: Request) -> dict[int, Any]:
+        """Wait for every choice's final output (aborted if the client goes away)."""
+        try:
+            while not self.done:
+                await self.next(request)
+                if not self.done and await request.is_disconnected():  # also while outputs keep coming
+                    raise ClientGone()
+            return self.outs
+        except (ClientGone, APIError):
+            raise
+        except Exception as e:
+            raise _failure(e) from e
+
+
 def _failure(e: BaseException) -> APIError:
     """The error reply for a request that failed after admission."""
     if isinstance(e, ShuttingDown):
@@ -198,59 +308,31 @@ async def _next_output(queue: asyncio.Queue, request: Request | None = None) -> 
     """The next queue item; raises ClientGone when `request`'s client disconnects while none comes."""
     while True:
         try:
-            item = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+            return await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             if request is not None and await request.is_disconnected():
                 raise ClientGone() from None
-            continue
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
 
-async def _collect(slot: _Slot, queue: asyncio.Queue, request: Request) -> Any:
-    """Wait for the final output of a non-streaming request (aborted if the client goes away)."""
-    try:
-        while True:
-            out = await _next_output(queue, request)
-            if out.finished:
-                slot.finished = True
-                return out
-            if await request.is_disconnected():  # also while outputs keep coming
-                raise ClientGone()
-    except (ClientGone, APIError):
-        raise
-    except Exception as e:
-        slot.finished = True  # the engine loop already dropped it
-        raise _failure(e) from e
-
-
-async def _events(state: ServerState, slot: _Slot, queue: asyncio.Queue, builder: ResponseBuilder,
-                  include_usage: bool, stop: list[str]) -> AsyncIterator[str]:
+async def _events(state: ServerState, run: _Run, builder: ResponseBuilder) -> AsyncIterator[str]:
     """SSE events of one streaming request, ending with `data: [DONE]`.
 
     Disconnects surface as cancellation of this generator; `_GuardedStream` then closes the slot,
-    which aborts the engine request.
+    which aborts the engine requests.
     """
-    deltas = TextDeltas(stop)
     if builder.kind == "chat":
-        yield builder.role_chunk()
+        for chunk in builder.role_chunks():
+            yield chunk
     try:
-        while True:
-            out = await _next_output(queue, None)
-            text = deltas.next(out)
-            if text:
-                yield builder.delta_chunk(text, out)
-            if out.finished:
-                slot.finished = True
-                yield builder.finish_chunk(out.finish_reason, out)
-                if include_usage:
-                    yield builder.usage_chunk(out)
-                break
+        while not run.done:
+            index, out = await run.next(None)
+            for chunk in builder.stream_update(index, out, run.outs):
+                yield chunk
+        if builder.options.include_usage:
+            yield builder.usage_chunk(run.outs)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the engine failed this request: report it in-stream
-        slot.finished = True
         state.metrics.requests_failed += 1
         log.error("request %s failed mid-stream: %s", builder.response_id, e)
         yield _failure(e).sse()

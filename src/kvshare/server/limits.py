@@ -124,7 +124,7 @@ def parse_json(raw: bytes, limits: RequestLimits) -> Any:
 
 
 _SCALARS = frozenset({int, float, bool, type(None)})
-_PROMPT_IDS = (("prompt",), ("prompt", 0))  # where token-id lists may be as long as the context
+_PROMPT_IDS = ("prompt",)  # token-id lists at ("prompt",) or ("prompt", i) may be as long as the context
 
 
 def check_structure(data: Any, limits: RequestLimits) -> None:
@@ -166,7 +166,7 @@ def check_structure(data: Any, limits: RequestLimits) -> None:
                 _check_stop(value["stop"], limits)
             continue
         # a list
-        cap = limits.max_prompt_tokens if path in _PROMPT_IDS else limits.max_array_items
+        cap = limits.max_prompt_tokens if path[:1] == _PROMPT_IDS and len(path) <= 2 else limits.max_array_items
         if len(value) > cap:
             raise _limit(f"an array has {len(value)} elements (at most {cap})", path)
         kinds = set(map(type, value))
@@ -183,7 +183,7 @@ def check_structure(data: Any, limits: RequestLimits) -> None:
             stack.extend((v, depth + 1, path + (i,)) for i, v in enumerate(value) if type(v) in (dict, list))
 
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit; protocol refuses more too, this refuses before validation
+MAX_STOP_STRINGS = 256  # = protocol.MAX_STOP_STRINGS (vLLM takes any number; lm-eval tasks send 5+)
 
 
 def _check_stop(stop: Any, limits: RequestLimits) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any
 
 from kvshare.server.memory import rss_bytes
+from kvshare.server.histograms import RequestHistograms
 
 _RATE_WINDOW_S = 10.0
 
@@ -73,6 +74,7 @@ class ServerMetrics:
         self.steps_total = 0
         self.step_seconds_total = 0.0
         self.heap_trims = 0  # times the idle engine loop returned free heap pages to the OS
+        self.requests = RequestHistograms()  # latency and size histograms (histograms.py)
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -86,6 +88,10 @@ class ServerMetrics:
             self.requests_aborted += 1
         else:
             self.requests_finished += 1
+
+    def on_output(self, out: Any) -> None:
+        """A request's output was routed (feeds the per-request histograms)."""
+        self.requests.on_output(out)
 
     def on_step(self, new_tokens: int, seconds: float) -> None:
         """One engine step produced `new_tokens` tokens in `seconds`."""
@@ -181,6 +187,7 @@ class ServerMetrics:
                        value)
             else:
                 metric(f"kvshare_engine_{key}", "gauge", f"EngineStats.{key}.", value)
+        lines.extend(self.requests.render())
         return "\n".join(lines) + "\n"
 
 

@@ -1,24 +1,39 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
+The rule (README "Serving"): **every request field is honoured or refused.** A field kvshare does
+not know — or knows but cannot honour with the value sent — is a 400 naming it (`extra="forbid"`
+plus validators), never silently ignored. The only fields accepted without effect are `user`
+(an end-user id OpenAI uses for abuse monitoring) and `model` checked against the served name.
+Types are strict where OpenAI's are (`temperature: true` and `stream: "yes"` are 400s; an integer
+is still a valid number).
+
 Requests validate their sampling values here, so a bad value is a 400 naming the parameter
-before anything reaches the engine. Fields OpenAI defines but kvshare does not use are accepted
-and ignored (clients send them by default); fields that would change the result in a way kvshare
-cannot honour (`n` > 1, `best_of` > 1, `echo`, alternatives in `logprobs` / `top_logprobs`)
-are rejected. Log-probabilities of the chosen tokens are supported (`logprobs: 0` for
-completions, `logprobs: true` for chat).
+before anything reaches the engine.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from kvshare.engine.logprobs import MAX_LOGPROBS
 from kvshare.engine.param_ranges import MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, TOP_K_MAX
+from kvshare.engine.sampling import MAX_LOGIT_BIAS
+from kvshare.engine.structured import StructuredSpec
 
+MAX_STOP_STRINGS = 256  # vLLM accepts any number; each costs a substring search per generated token
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_CHOICES = 256  # n x prompts of one request
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+# fields clients send that this build cannot honour yet: any value but null is a 400 naming the field
+NOT_HONOURED: tuple[str, ...] = ()
+MESSAGE_FIELDS_NOT_HONOURED: tuple[str, ...] = ("name",)
+CHAT_TEMPLATE_KWARGS = ("thinking", "enable_thinking")  # DeepSeek's and Qwen's spelling of thinking mode
 
 def new_id(prefix: str) -> str:
     """A unique response id such as `cmpl-3f2a...`."""
@@ -31,36 +46,48 @@ def now() -> int:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: whether the last chunk carries usage counts."""
+    """`stream_options`: usage on the last chunk (`include_usage`) or on every chunk (`continuous_usage_stats`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    n: int = 1
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, strict=True)
+    temperature: float = Field(default=1.0, strict=True)
+    top_p: float = Field(default=1.0, strict=True)
+    top_k: int = Field(default=0, strict=True)
+    min_p: float = Field(default=0.0, strict=True)
+    presence_penalty: float = Field(default=0.0, strict=True)
+    frequency_penalty: float = Field(default=0.0, strict=True)
+    repetition_penalty: float = Field(default=1.0, strict=True)
+    n: int = Field(default=1, strict=True)
+    seed: int | None = Field(default=None, strict=True)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(default=False, strict=True)
     user: str | None = None
     # vLLM's field: requests share cached prefix blocks only when their salts are equal.
-    cache_salt: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    min_tokens: int = Field(default=0, strict=True, ge=0)
+    include_stop_str_in_output: bool = Field(default=False, strict=True)
+    return_token_ids: bool = Field(default=False, strict=True)
+    return_tokens_as_token_ids: bool = Field(default=False, strict=True)
+    truncate_prompt_tokens: int | None = Field(default=None, strict=True, ge=1)
+    prompt_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    _structured: StructuredSpec | None = PrivateAttr(default=None)
 
     @field_validator("temperature")
     @classmethod
@@ -107,98 +134,215 @@ class _SamplingRequest(BaseModel):
     @field_validator("seed")
     @classmethod
     def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not SEED_MIN <= v <= SEED_MAX:
-            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        if v is not None and not SEED_MIN <= v <= SEED_MAX - MAX_CHOICES:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX - MAX_CHOICES}]")
         return v
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+    def _token_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if v is not None and any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise ValueError(f"{info.field_name} must be non-negative token ids")
         return v
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if v is not None and v < 0:
+            raise ValueError("max_tokens must be >= 0")
         return v
 
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return v
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be non-empty and at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for k, b in v.items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {k!r}")
+            if not math.isfinite(b) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {k}")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise _field_error("stream_options", "stream_options is only allowed when stream is true")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens")
+        for name in NOT_HONOURED:
+            if getattr(self, name, None) is not None:
+                raise _field_error(name, f"{name} is not supported by this server")
+        self._structured = structured_spec(self.response_format, self.structured_outputs)
+        return self
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """The output constraint of `response_format` / `structured_outputs` (None: free text)."""
+        return self._structured
 
     @property
     def include_usage(self) -> bool:
         """Whether a streaming response ends with a usage chunk."""
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def bias(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+
+def structured_spec(response_format: dict[str, Any] | None,
+                    structured_outputs: dict[str, Any] | None) -> StructuredSpec | None:
+    """The constraint a request asks for: OpenAI's `response_format` or vLLM's `structured_outputs`
+    (json, regex, choice, grammar, json_object; exactly one). Raises FieldError naming the field."""
+    if response_format is not None and structured_outputs is not None:
+        raise _field_error("structured_outputs", "give response_format or structured_outputs, not both")
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "text" and len(response_format) == 1:
+            return None
+        if kind == "json_object" and len(response_format) == 1:
+            return StructuredSpec("json_object", None, "response_format")
+        if kind == "json_schema" and set(response_format) <= {"type", "json_schema"}:
+            js = response_format.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise _field_error("response_format.json_schema.schema", "a JSON schema object is required")
+            unknown = set(js) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise _field_error(f"response_format.json_schema.{sorted(unknown)[0]}", "unknown field")
+            return StructuredSpec("json", js["schema"], "response_format.json_schema.schema")
+        raise _field_error("response_format", "type must be text, json_object or json_schema (with its fields only)")
+    if structured_outputs is None:
+        return None
+    keys = [k for k, v in structured_outputs.items() if v is not None and v is not False]
+    if len(keys) != 1 or keys[0] not in ("json", "regex", "choice", "grammar", "json_object"):
+        raise _field_error("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object")
+    key = keys[0]
+    value = structured_outputs[key]
+    field = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise _field_error(field, f"not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise _field_error(field, "a JSON schema object is required")
+    elif key in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise _field_error(field, "a non-empty string is required")
+    elif key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _field_error(field, "a non-empty list of non-empty strings is required")
+    elif value is not True:
+        raise _field_error(field, "must be true")
+    return StructuredSpec(key, None if key == "json_object" else value, field)
+
+
+class FieldError(ValueError):
+    """A validation error that belongs to one named field (app.py reports it as the 400's param)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _field_error(field: str, message: str) -> ValueError:
+    return FieldError(field, message)
+
+
+Prompt = str | list[int]
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions. `prompt` is a string, a list of token ids, or a one-element list of either."""
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a batch)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None  # 0: the chosen tokens' logprobs (alternatives are not supported)
+    echo: bool = Field(default=False, strict=True)
+    best_of: int | None = Field(default=None, strict=True)
+    logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("one prompt per request is supported (got a batch of %d)" % len(v))
-            v = v[0]
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and (not v or any(t < 0 for t in v)):
-            raise ValueError("prompt token ids must be a non-empty list of non-negative ids")
+    def _prompt(cls, v: Any) -> Any:
+        prompts = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request")
+        for p in prompts:
+            if isinstance(p, str) and not p:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p, list) and (not p or any(not isinstance(t, int) or t < 0 for t in p)):
+                raise ValueError("prompt token ids must be a non-empty list of non-negative ids")
         return v
 
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("only best_of = 1 is supported")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise _field_error("best_of", "best_of must equal n (kvshare returns every sequence it samples)")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise _field_error("suffix", "suffix (fill-in-the-middle) is not supported")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise _field_error("n", f"n x prompts must be <= {MAX_CHOICES}")
         return self
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        if v not in (None, 0):
-            raise ValueError("only logprobs = 0 is supported (the chosen tokens' log-probabilities)")
-        return v
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The request's prompts (one or a batch), each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     @property
-    def wants_logprobs(self) -> bool:
-        """Whether the reply carries the chosen tokens' log-probabilities."""
-        return self.logprobs is not None
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen tokens' and the top k alternatives."""
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
     """One conversation turn. `content` may be OpenAI's list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _honoured(self) -> "ChatMessage":
+        for name in MESSAGE_FIELDS_NOT_HONOURED:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} in messages is not supported by this server")
+        return self
 
     def text(self) -> str:
         """The message's text, joining text parts."""
@@ -216,32 +360,130 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v: int | None) -> int | None:
-        if v not in (None, 0):
-            raise ValueError("only top_logprobs = 0 is supported (the chosen tokens' log-probabilities)")
-        return v
+    max_completion_tokens: int | None = Field(default=None, strict=True)
+    logprobs: bool = Field(default=False, strict=True)
+    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
     def _max_completion_tokens(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("max_completion_tokens must be >= 1")
+        if v is not None and v < 0:
+            raise ValueError("max_completion_tokens must be >= 0")
         return v
 
-    @property
-    def wants_logprobs(self) -> bool:
-        """Whether the reply carries the chosen tokens' log-probabilities."""
-        return self.logprobs
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise _field_error("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as plain {role, content} dicts for a chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: the chosen tokens' and the top k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        for i, t in enumerate(self.tools or []):
+            fn = t.get("function")
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not fn["name"] or set(fn) - {"name", "description", "parameters", "strict"} \
+                    or set(t) - {"type", "function"}:
+                raise _field_error(f"tools.{i}", "a tool is {type: function, function: {name, description?, "
+                                                 "parameters?, strict?}}")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in self.tool_names:
+                raise _field_error("tool_choice", "a named tool_choice must name one of the tools")
+        elif choice not in (None, "none", "auto", "required"):
+            raise _field_error("tool_choice", "tool_choice must be none, auto, required or a named function")
+        if choice not in (None, "none") and not self.tools:
+            raise _field_error("tool_choice", "tool_choice needs tools")
+        for k in self.chat_template_kwargs or {}:
+            if k not in CHAT_TEMPLATE_KWARGS or not isinstance(self.chat_template_kwargs[k], bool):  # type: ignore[index]
+                raise _field_error(f"chat_template_kwargs.{k}", f"supported: {', '.join(CHAT_TEMPLATE_KWARGS)} "
+                                                                "(booleans)")
+        if self.forced_tool is not False and self.thinking:
+            raise _field_error("tool_choice", "required or named tool_choice cannot be combined with thinking")
+        if self.forced_tool is not False and self.structured is not None:
+            raise _field_error("tool_choice", "required or named tool_choice cannot be combined with "
+                                              "response_format / structured_outputs")
+        return self
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools or []]
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether tool calls are offered (and parsed from the output)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None | bool:
+        """False: the model chooses; None: some tool call is required; a name: that function is."""
+        if not self.uses_tools:
+            return False
+        if self.tool_choice == "required":
+            return None
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return False
+
+    @property
+    def thinking(self) -> bool:
+        """Thinking mode (chat_template_kwargs thinking / enable_thinking)."""
+        kw = self.chat_template_kwargs or {}
+        return bool(kw.get("thinking", kw.get("enable_thinking", False)))
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for a chat template (role, content, and tool fields when set)."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+                if getattr(m, k) is not None:
+                    d[k] = getattr(m, k)
+            out.append(d)
+        return out
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): `prompt`, or chat `messages` rendered with the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(default=True, strict=True)
+    add_generation_prompt: bool = Field(default=True, strict=True)
+    return_token_strs: bool = Field(default=False, strict=True)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise _field_error("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("tokens must be non-negative token ids")
+        return v
 
 
 class PromptTokensDetails(BaseModel):
