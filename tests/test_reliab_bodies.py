@@ -37,7 +37,7 @@ def refused(data: Any, limits: RequestLimits = LIMITS) -> APIError:
     ({"prompt": list(range(51))}, "prompt", "51 elements (at most 50)"),
     ({"prompt": [list(range(51))]}, "prompt.0", "51 elements (at most 50)"),
     ({"x": {str(i): i for i in range(21)}}, "x", "21 keys (at most 20)"),
-    ({"stop": ["a"] * 5}, "stop", "at most 4 stop sequences"),
+    ({"stop": ["a"] * 257}, "stop", "at most 256 stop sequences"),
     ({"stop": "a" * 11}, "stop", "11 characters (at most 10)"),
     ({"stop": ["ok", "b" * 11]}, "stop", "11 characters (at most 10)"),
     ({"m": [[{"a": 1}] * 20] * 20}, "m.", "more than 500"),

@@ -160,8 +160,9 @@ def _choice_params(params: Any, i: int) -> Any:
 
 
 async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], params: Any, job: Job,
-               merged: asyncio.Queue, index: int) -> None:
-    """Add one engine request and forward its outputs to `merged` as (choice index, item)."""
+               merged: asyncio.Queue | None, index: int) -> asyncio.Queue:
+    """Add one engine request; return its output queue, and with `merged` forward its outputs there as
+    (choice index, item) (a request of one choice reads its queue directly: no extra hop per token)."""
     slot.request_ids.append(rid)
     try:
         queue = await _engine_add(state, rid, prompt, params, job.cache_salt)
@@ -183,7 +184,9 @@ async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], par
             if isinstance(item, BaseException) or item.finished:
                 return
 
-    slot.tasks.append(asyncio.get_running_loop().create_task(forward()))
+    if merged is not None:
+        slot.tasks.append(asyncio.get_running_loop().create_task(forward()))
+    return queue
 
 
 async def _engine_add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
@@ -231,15 +234,17 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
         async def add(index: int) -> None:
             pi, i = divmod(index, job.n)
             prompt = job.prompts[pi][2] if len(job.prompts[pi]) > 2 else job.prompts[pi][0]  # type: ignore[misc]
-            await _add(state, slot, rid_of(index), prompt, _choice_params(job.params, i), job,
-                       merged, index)
+            queue = await _add(state, slot, rid_of(index), prompt, _choice_params(job.params, i), job,
+                               None if single else merged, index)
+            if single:
+                run.direct = queue
 
-        for leader in followers:
+        run = _Run(slot, merged, followers, add, rid_of, len(specs))
+        for leader in list(followers):
             await add(leader)
         builder = ResponseBuilder(job.kind, base, state.model_name, tokenizer=state.tokenizer,  # type: ignore[arg-type]
                                   choices=specs, options=job.options,
                                   stop=list(getattr(job.params, "stop", None) or []))
-        run = _Run(slot, merged, followers, add, rid_of, len(specs))
         if job.stream:
             return _GuardedStream(_events(state, run, builder), slot.close)
         try:
@@ -263,11 +268,15 @@ class _Run:
         self.slot, self.merged, self.followers, self.add, self.rid_of = slot, merged, followers, add, rid_of
         self.total = total
         self.outs: dict[int, Any] = {}
+        self.direct: asyncio.Queue | None = None  # the one engine queue of a single-choice request
         self.finished: set[int] = set()
 
     async def next(self, request: Request | None) -> tuple[int, Any]:
         """The next (choice index, output); raises the failure of a choice (the request fails whole)."""
-        index, item = await _next_output(self.merged, request)
+        if self.direct is not None:
+            index, item = 0, await _next_output(self.direct, request)
+        else:
+            index, item = await _next_output(self.merged, request)
         if isinstance(item, BaseException):
             self.slot.done.add(self.rid_of(index))
             raise item
