@@ -33,11 +33,22 @@ def _prompts(vocab: int, batch: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab - 1, (batch, PROMPT), generator=g).tolist()
 
 
-def _timed(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+def _run(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, float, list[list[int]]]:
+    """(prefill seconds: until every request has its first token, decode seconds: the rest, tokens)."""
+    eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{i}", p, params)
+    got: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
+    t_first = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] = list(o.token_ids)
+        if t_first is None and len(got) == len(prompts) and all(got.values()):
+            t_first = time.perf_counter()
+    t1 = time.perf_counter()
+    return t_first - t0, t1 - t_first, [got[f"b{i}"] for i in range(len(prompts))]
 
 
 def measure(model: torch.nn.Module, vocab: int, invariant: bool) -> dict:
@@ -46,14 +57,13 @@ def measure(model: torch.nn.Module, vocab: int, invariant: bool) -> dict:
         prompts = _prompts(vocab, b, 7 + b)
         llm = LLM(model, max_num_seqs=b, max_num_batched_tokens=b * PROMPT, batch_invariant=invariant,
                   enable_prefix_caching=False)
-        _timed(llm, prompts, 2)  # warm-up
-        t_prefill, _ = _timed(llm, prompts, 1)
-        t_all, toks = _timed(llm, prompts, NEW)
+        _run(llm, prompts, 2)  # warm-up
+        t_prefill, t_decode, toks = _run(llm, prompts, NEW)
         row[f"prefill_tps_b{b}"] = b * PROMPT / t_prefill
-        row[f"decode_tps_b{b}"] = b * (NEW - 1) / max(t_all - t_prefill, 1e-9)
+        row[f"decode_tps_b{b}"] = b * (NEW - 1) / t_decode
         if b > 1:
             alone = LLM(model, max_num_seqs=1, batch_invariant=invariant, enable_prefix_caching=False)
-            row["batched_equals_alone"] = sum(_timed(alone, [p], NEW)[1][0] == t for p, t in zip(prompts, toks))
+            row["batched_equals_alone"] = sum(_run(alone, [p], NEW)[2][0] == t for p, t in zip(prompts, toks))
     return row
 
 
