@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,36 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+#: a build lock older than this was left by a killed build (a real build takes ~1 minute)
+STALE_LOCK_S = 600
+
+
+def _load_built(build_dir: Path, name: str) -> ModuleType | None:
+    """The already built extension of this source hash, imported directly (None if not built)."""
+    import importlib.util
+
+    so = build_dir / f"{name}.so"
+    if not so.is_file() or (build_dir / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """Remove a build lock left by a killed build: torch's loader would otherwise wait for ever."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("kvshare kernels: removing a stale build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 @lru_cache(maxsize=1)
 def library() -> ModuleType | None:
     """The compiled extension, built on first call; None (after one warning) when it cannot be built."""
@@ -57,6 +88,10 @@ def library() -> ModuleType | None:
         key = source_hash()
         build_dir = cache_root() / f"torch{torch.__version__.replace('+', '_')}-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
+        built = _load_built(build_dir, f"kvshare_kernels_{key}")
+        if built is not None:  # built before: no ninja run, no build lock to wait on
+            return built
+        _clear_stale_lock(build_dir)
         return load(name=f"kvshare_kernels_{key}", sources=[str(CSRC / s) for s in SOURCES],
                     extra_cflags=["-O3", "-fno-math-errno"], extra_include_paths=[str(CSRC)],
                     build_directory=str(build_dir), verbose=False)
