@@ -74,6 +74,7 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(ext, "load", no_compiler)
+    monkeypatch.setattr(build, "_load_built", lambda *a: None)  # nothing built before, either
     build.library.cache_clear()
     build.best_isa.cache_clear()
     try:
@@ -103,3 +104,19 @@ def test_aten_cpu_capability_selects_the_avx2_path(monkeypatch: pytest.MonkeyPat
         assert kernels.isa() == "torch"
     finally:
         build.best_isa.cache_clear()
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path) -> None:
+    """A build killed mid-way leaves torch's `lock` file, and every later load waited for it for ever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    build._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - build.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    build._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    assert build._load_built(tmp_path, "kvshare_kernels_nothing") is None  # nothing built there
