@@ -13,42 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from kvshare.bench.kv_runner import build_model
+from kvshare.bench.kv_runner import build_model, kv_generate
 from kvshare.bench.sizes import BenchSizes, peer_v4_config
 from kvshare.config import ModelConfig
-from kvshare.engine.sampling import SamplingParams
 from kvshare.llm import LLM
 from kvshare.model.loader import load_model
 
 PROMPT, NEW, BATCHES = 256, 32, (1, 8)
 
 
-def _prompts(vocab: int, batch: int, seed: int) -> list[list[int]]:
+def _prompts(vocab: int, batch: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab - 1, (batch, PROMPT), generator=g).tolist()
-
-
-def _run(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, float, list[list[int]]]:
-    """(prefill seconds: until every request has its first token, decode seconds: the rest, tokens)."""
-    eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"b{i}", p, params)
-    got: dict[str, list[int]] = {}
-    t0 = time.perf_counter()
-    t_first = None
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            got[o.request_id] = list(o.token_ids)
-        if t_first is None and len(got) == len(prompts) and all(got.values()):
-            t_first = time.perf_counter()
-    t1 = time.perf_counter()
-    return t_first - t0, t1 - t_first, [got[f"b{i}"] for i in range(len(prompts))]
+    return torch.randint(0, vocab - 1, (batch, PROMPT), generator=g)
 
 
 def measure(model: torch.nn.Module, vocab: int, invariant: bool) -> dict:
@@ -57,13 +37,14 @@ def measure(model: torch.nn.Module, vocab: int, invariant: bool) -> dict:
         prompts = _prompts(vocab, b, 7 + b)
         llm = LLM(model, max_num_seqs=b, max_num_batched_tokens=b * PROMPT, batch_invariant=invariant,
                   enable_prefix_caching=False)
-        _run(llm, prompts, 2)  # warm-up
-        t_prefill, t_decode, toks = _run(llm, prompts, NEW)
-        row[f"prefill_tps_b{b}"] = b * PROMPT / t_prefill
-        row[f"decode_tps_b{b}"] = b * (NEW - 1) / t_decode
+        kv_generate(llm.engine, prompts, 2, tag="w")  # warm-up
+        res = kv_generate(llm.engine, prompts, NEW)
+        row[f"prefill_tps_b{b}"] = res.prefill_tps
+        row[f"decode_tps_b{b}"] = res.decode_tps  # batch / median decode step
         if b > 1:
             alone = LLM(model, max_num_seqs=1, batch_invariant=invariant, enable_prefix_caching=False)
-            row["batched_equals_alone"] = sum(_run(alone, [p], NEW)[2][0] == t for p, t in zip(prompts, toks))
+            row["batched_equals_alone"] = sum(kv_generate(alone.engine, p[None], NEW).tokens[0] == t
+                                              for p, t in zip(prompts, res.tokens))
     return row
 
 

@@ -31,9 +31,13 @@ def weight_of(p: Packed) -> torch.Tensor:
     return w
 
 
+def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w^T`` for a dense weight w [N, K], one identical [1, K] call per row."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, w.shape[0])
+    return torch.cat([F.linear(x[i: i + 1], w) for i in range(x.shape[0])])
+
+
 def linear(x: torch.Tensor, p: Packed) -> torch.Tensor:
     """``x [M, K] @ W^T`` one row at a time (see module doc)."""
-    w = weight_of(p)
-    if x.shape[0] == 0:
-        return x.new_empty(0, p.n)
-    return torch.cat([F.linear(x[i: i + 1], w) for i in range(x.shape[0])])
+    return rows(x, weight_of(p))

@@ -87,6 +87,13 @@ def index_scores(
     return out
 
 
+def _per_row_scores(q: torch.Tensor, w: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+    """[R, L] = sum_h w[r, h] ReLU(q[r, h] . keys_t[r, :, l]) for q [R, H, d], w [R, H], keys_t
+    [R, d, L]: two batched products with one row per batch entry, so a row's bits depend on its
+    own inputs and L only (ops/invariant.py)."""
+    return torch.bmm(w.unsqueeze(1), torch.relu(torch.bmm(q, keys_t))).squeeze(1)
+
+
 def candidate_scores(
     q: torch.Tensor,  # [T, H, d]
     weights: torch.Tensor,  # [T, H]
@@ -111,8 +118,7 @@ def candidate_scores(
     idx = mask_to_ascending(mask, cap)  # [T, cap], -1 padded
     valid = idx >= 0
     rows = keys[seq_index[:, None], idx.clamp(min=0)].to(acc)  # [T, cap, d]
-    dots = torch.bmm(q.to(acc), rows.transpose(1, 2))  # [T, H, cap]
-    summed = torch.bmm(weights.to(acc).unsqueeze(1), torch.relu(dots)).squeeze(1)  # [T, cap]
+    summed = _per_row_scores(q.to(acc), weights.to(acc), rows.transpose(1, 2))  # [T, cap]
     out.scatter_(1, torch.where(valid, idx, torch.full_like(idx, length)), summed.float())
     return out[:, :length]
 
@@ -146,7 +152,6 @@ def row_index_scores(
         for r0 in range(0, rows.numel(), per):
             r = rows[r0:r0 + per]
             kt = kp[seq_index[r], :b].transpose(1, 2)  # [G, d, b]
-            dots = torch.bmm(qa[r], kt)  # [G, H, b]
-            summed = torch.bmm(wa[r].unsqueeze(1), torch.relu(dots)).squeeze(1)  # [G, b]
+            summed = _per_row_scores(qa[r], wa[r], kt)  # [G, b]
             out[r, :min(b, length)] = summed[:, :length].float()
     return out

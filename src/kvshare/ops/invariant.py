@@ -12,9 +12,9 @@ shape does not depend on the other rows:
 * `row_linear(x, w)`: ``x @ w.T`` for x [R, K]. One fixed-order kernel call when the native
   kernels are present (`kvshare.kernels`: each output accumulated in an order that depends on K
   only), else one identical [1, K] x [K, N] product per row.
-* `row_bmm(a, b)`: ``torch.bmm`` with one row per batch entry and a per-entry shape fixed by the
-  row itself; torch computes every entry of a batched product with the same per-entry kernel,
-  whatever the batch count (checked in tests/test_batch_invariant.py for the shapes the model uses).
+* per-row batched products (attention, index scores): ``torch.bmm`` with one row per batch entry
+  and a per-entry shape fixed by the row itself; torch computes every entry of a batched product
+  with the same per-entry kernel, whatever the batch count.
 * length buckets (`StepAddresses.length_buckets(ratio, BUCKET)`, from the step's host ints): per-row
   key counts rounded up to a multiple of `BUCKET`, so rows whose own counts fall in one bucket share
   one product shape, and a row's shape never depends on another row's count.
@@ -40,6 +40,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from kvshare import kernels
+from kvshare.kernels import fallback
 from kvshare.precision import version_of
 
 #: rows of keys per length bucket (index scores, V4's every-entry compressed attention)
@@ -47,7 +49,6 @@ BUCKET = 64
 #: element-wise ops see tensors padded to a multiple of this many elements (see `pointwise`)
 VECTOR_PAD = 64
 
-_native_linear = None  # a test's override of the native product (see `use_native_linear`)
 _MAX_PACKS_PER_WEIGHT = 16  # a weight's packed views (wo_a's groups) and versions kept at once
 _state = threading.local()  # per thread: tensor-parallel tests run ranks as threads
 
@@ -74,33 +75,17 @@ def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return row_linear(x, w) if is_on() else x @ w.t()
 
 
-def use_native_linear(fn) -> None:
-    """Override the native ``fn(x [R, K], w [N, K]) -> [R, N]`` of `row_linear` (None: the default)."""
-    global _native_linear
-    _native_linear = fn
-
-
-def _kernels():
-    """`kvshare.kernels` when its native library serves this machine, else None."""
-    try:
-        from kvshare import kernels
-    except ImportError:
-        return None
-    return kernels if kernels.available() else None
-
-
 def native_pack(w: torch.Tensor):
     """The kernels' packed copy of weight `w` (made once per weight version for parameters and
     their views; per call for other tensors), or None where the kernels do not serve it (no native
     library, a dtype other than bf16 / fp32, not on the CPU)."""
-    k = _kernels()
-    if k is None or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
+    if not kernels.available() or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
         return None
     root = w._base if w._base is not None else w
     if not isinstance(root, torch.nn.Parameter):
         # a temporary (e.g. ``wide(bf16 weight)``): its address is reused by later temporaries of
         # the same shape, so a cached pack would be stale; pack it for this call only
-        return k.pack(w.detach().contiguous())
+        return kernels.pack(w.detach().contiguous())
     # kept on the parameter object itself, so a pack dies with its weight (an address-keyed cache
     # could hand a later model's weight at a reused address the earlier model's pack)
     packs = root.__dict__.setdefault("_kvshare_packs", {})
@@ -109,7 +94,7 @@ def native_pack(w: torch.Tensor):
     if p is None:
         if len(packs) >= _MAX_PACKS_PER_WEIGHT:
             packs.clear()
-        p = packs[key] = k.pack(w.detach().contiguous())
+        p = packs[key] = kernels.pack(w.detach().contiguous())
     return p
 
 
@@ -117,18 +102,8 @@ def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` ([..., K] x [N, K] -> [..., N]) with each row's bits independent of the other rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    packed = native_pack(w) if _native_linear is None and x2.dtype == w.dtype else None
-    if _native_linear is not None:
-        out = _native_linear(x2, w)
-    elif packed is not None:
-        from kvshare import kernels
-
-        out = kernels.linear(x2, packed)
-    elif x2.shape[0] == 1:
-        out = F.linear(x2, w)
-    else:
-        out = torch.cat([F.linear(x2[r:r + 1], w) for r in range(x2.shape[0])]) if x2.shape[0] else \
-            x2.new_empty(0, w.shape[0])
+    packed = native_pack(w) if x2.dtype == w.dtype else None
+    out = kernels.linear(x2, packed) if packed is not None else fallback.rows(x2, w)
     return out.reshape(*lead, w.shape[0])
 
 
@@ -148,10 +123,3 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     return fn(flat)[:n].view(x.shape)
-
-
-def row_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b)`` where entry i is row i's own product (a [R, m, k], b [R, k, n])."""
-    return torch.bmm(a, b)
-
-
