@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 
 import httpx
+from served import rss_mb, served
 
 BODY_BYTES = 4 * 2**20 - 4096
 
@@ -33,14 +32,6 @@ def bad_bodies() -> list[bytes]:
     msgs = json.dumps({"messages": [msg] * (BODY_BYTES // 36), "max_tokens": 4}).encode()
     assert all(len(b) < 4 * 2**20 for b in (ids, stops, msgs))
     return [ids, stops, msgs]
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 async def stream(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> list[float]:
@@ -98,18 +89,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", choices=["burst", "flood"], default="burst")
     a = ap.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    srv = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--port", str(a.port), "--log-level", "warning",
-                            "--threads", str(a.threads)], env=env)
-    url = f"http://127.0.0.1:{a.port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with served(a.port, a.threads, "warning", 30) as (srv, url):
         asyncio.run(phase(url, 20, False))  # warm-up
         rss0 = rss_mb(srv.pid)
         base_rate, base_gap, _ = asyncio.run(phase(url, a.tokens, False))
@@ -120,9 +100,6 @@ def main() -> int:
         print(f"with 8 x 4 MiB bad bodies ({window}): {rate:.1f} tok/s ({100 * rate / base_rate:.0f}%), max gap {gap:.3f} s, "
               f"{len(codes)} bodies answered {sorted(set(codes))}")
         print(f"RSS {rss0:.0f} MB -> {rss1:.0f} MB (+{rss1 - rss0:.0f} MB)")
-    finally:
-        srv.terminate()
-        srv.wait(30)
     return 0
 
 

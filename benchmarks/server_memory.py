@@ -21,14 +21,7 @@ import sys
 import time
 
 import httpx
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+from served import rss_mb, served
 
 
 def children_rss_mb(pid: int) -> float:
@@ -91,18 +84,7 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    srv = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--port", str(a.port), "--log-level", "error",
-                            "--threads", str(a.threads)], env=env)
-    url = f"http://127.0.0.1:{a.port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with served(a.port, a.threads, "error", 60) as (srv, url):
         asyncio.run(run(url, 0, 10, 8))
         time.sleep(2)
         first = rss_mb(srv.pid)
@@ -117,9 +99,6 @@ def main() -> int:
         print(f"RSS right after {a.requests} mixed requests ({took:.0f} s, replies {codes}): {busy:.0f} MB")
         print(f"RSS after {a.idle:g} s idle: {last:.0f} MB ({last / first:.2f}x the first); "
               f"body-parser child {children_rss_mb(srv.pid):.0f} MB; /metrics: {metric}")
-    finally:
-        srv.terminate()
-        srv.wait(60)
     return 0
 
 
