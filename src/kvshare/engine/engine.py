@@ -49,10 +49,6 @@ class LLMEngine:
         if args.tensor_parallel_size != 1:
             from kvshare.parallel.launch import start
 
-            if args.batch_invariant is None:
-                # TP=N is not bitwise TP=1 anyway (row-parallel partials add in another order), and the
-                # native kernels hang in spawned workers (not understood yet): batched unless asked
-                self.args = args = dataclasses.replace(args, batch_invariant=False)
             self.tp, model = start(model, args)
         model = self._load(model, args)
         model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device,
