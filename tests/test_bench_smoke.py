@@ -15,6 +15,8 @@ import pytest
 
 from kvshare.cli import main
 
+SECTIONS = {"peer", "prefill", "sharing", "context", "bandwidth", "speculation", "prefix"}  # what `bench all` runs
+
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     rc = main(["bench", "all", "--out-dir", str(tmp_path), "--name", "b", *extra])
@@ -28,7 +30,7 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     # fp32, the oracle mode: greedy tokens must equal transformers' and rows are 4-byte
     out = _run(tmp_path, "--quick", "--dtype", "float32", *([] if plots else ["--no-plots"]))
     sections = {s["name"]: s for s in out["sections"]}
-    assert set(sections) == {"peer", "prefill", "sharing", "context", "bandwidth", "speculation", "prefix"}
+    assert set(sections) == SECTIONS
     for name in ("peer", "sharing", "context", "bandwidth"):
         assert not plots or (tmp_path / f"b-{name}.png").stat().st_size > 0
     assert "| target |" in (tmp_path / "b.md").read_text()
@@ -80,9 +82,16 @@ def test_bench_single_section_without_peer(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bench_full(tmp_path: Path) -> None:
-    """The full benchmark (minutes): every section at the default sizes."""
+    """The full benchmark (minutes): every section of `bench all` at the default sizes, each with
+    its data and targets, the token checks holding."""
     out = _run(tmp_path)
-    assert {s["name"] for s in out["sections"]} == {"peer", "sharing", "context", "bandwidth"}
+    sections = {s["name"]: s for s in out["sections"]}
+    assert set(sections) == SECTIONS
+    assert all(sections[n]["data"] for n in SECTIONS)
+    assert all(r["tokens"]["identical"] for r in sections["peer"]["data"]["runs"])
+    assert sections["prefill"]["data"]["tokens"]["identical"]
+    assert sections["prefix"]["data"]["tokens_equal"]
+    assert all(r["lossless"] for r in sections["speculation"]["data"]["rows"])
 
 
 def test_bench_speculation_section(tmp_path: Path) -> None:

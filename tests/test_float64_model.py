@@ -9,7 +9,7 @@ quantisation off: the chosen-token log-probabilities of greedy runs agree within
 at most 2.1e-6 on these configs; with bf16 rows, 1e-3 and different tokens). float64 DSpark
 speculation also gives plain greedy on a V4.1 model with Engram and two draft stages.
 
-Mutation caught: float64 plain rows back to "bf16" (or "fp32") in ``engine/args.build_layout``.
+Mutation caught: float64 plain rows back to "bf16" (or "fp32") in ``engine/cache_plan.build_layout``.
 """
 
 from __future__ import annotations

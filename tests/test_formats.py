@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshare import quant
-from kvshare.cache.formats import row_format
+from kvshare.cache.formats import _ue8m0_bytes, row_format
 from kvshare.errors import ConfigError
 
 SIZES = [
@@ -196,3 +196,24 @@ def test_round_trip_property(which, rows, exp, seed, sparse) -> None:
         x = x * (torch.rand(rows, dim, generator=g) < 0.2)
     y = f.fake_quant(x)
     torch.testing.assert_close(f.unpack(f.pack(y)), y, rtol=0, atol=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 4), exp=st.integers(-60, 60), seed=st.integers(0, 2**16))
+def test_packed_ue8m0_scales_are_in_range_powers_of_two(rows, exp, seed) -> None:
+    """`pack` stores ue8m0 scale bytes without checking them (hot path); the scales it stores come
+    from the quantisers, which make them powers of two inside 2^-127 .. 2^127 (checked here with
+    ``check=True``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 128, generator=g) * 2.0**exp
+    for scale in (quant.fp4_codes(x, 32, "ue8m0")[1], quant.fp8_codes(x, 64, ue8m0=True)[1],
+                  quant.fp8_codes(x, 128, ue8m0=True)[1]):
+        assert torch.equal(_ue8m0_bytes(scale, check=True), _ue8m0_bytes(scale))
+
+
+def test_checked_ue8m0_bytes_reject_what_the_bytes_cannot_hold() -> None:
+    assert _ue8m0_bytes(torch.tensor([1.0, 0.5, 2.0**127, 2.0**-126]), check=True).tolist() == [127, 126, 254, 1]
+    with pytest.raises(ValueError, match="powers of two"):
+        _ue8m0_bytes(torch.tensor([1.0, 3.0]), check=True)
+    with pytest.raises(ValueError, match="ue8m0 range"):
+        _ue8m0_bytes(torch.tensor([2.0**-140]), check=True)

@@ -12,7 +12,7 @@ from kvshare.cli import main
 from kvshare.cli.arg_types import parse_bytes as parse_memory
 from kvshare.shipped import CONFIG_DIR
 
-ARGS = ["plan", "deepseek-v4.1-flash", "--memory", "80GiB", "--max-seqs", "64", "--json"]
+ARGS = ["plan", "deepseek-v4.1-flash", "--memory", "80GiB", "--max-seqs", "64", "--json", "--block-size", "128"]
 MEM = 80 * 2**30
 
 
@@ -61,7 +61,7 @@ def test_plan_json_via_subprocess() -> None:
 
 
 def test_plan_tables(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "deepseek-v4.1-flash", "--memory", "80GiB", "--max-seqs", "64"]) == 0
+    assert main(["plan", "deepseek-v4.1-flash", "--memory", "80GiB", "--max-seqs", "64", "--block-size", "128"]) == 0
     out = capsys.readouterr().out
     for text in ("113,920", "890 B", "10,324", "11.60x", "reindex", "publishes", "consumes", "77,056",
                  "tokens that fit", "per-sequence state"):

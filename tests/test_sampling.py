@@ -55,6 +55,15 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert set(toks.tolist()) == {0, 1}
 
 
+def test_top_p_drops_the_token_whose_preceding_mass_equals_p_exactly():
+    """Four equal logits (probabilities 1/4, exact in fp32), top_p 0.5: the smallest prefix whose
+    mass reaches 0.5 is {0, 1} (0.25 + 0.25 = 0.5), so token 2, preceded by exactly 0.5, is out
+    (the boundary is ``mass before >= top_p``); both kept tokens occur."""
+    logits = torch.zeros(2000, 4)
+    toks, _ = Sampler(seed=0)(logits, [SamplingParams(top_p=0.5)] * 2000, [str(i) for i in range(2000)])
+    assert set(toks.tolist()) == {0, 1}
+
+
 def test_seeded_requests_do_not_depend_on_the_batch():
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
     p = SamplingParams(temperature=1.0, seed=42)

@@ -74,6 +74,21 @@ def test_preemption_frees_blocks_and_requeues_for_recompute():
     assert [(c.seq.request_id, c.start, c.length, c.samples) for c in out.chunks] == [("r1", 0, 9, True)]
 
 
+def test_preemption_takes_the_newest_running_sequence_first():
+    """Three running sequences fill the pool; the oldest needs a block: the newest (not the
+    second-newest) is preempted, and the other two keep their chunks."""
+    bm = BlockManager(num_blocks=7, block_size=4, num_slots=4, max_model_len=16)  # 6 usable blocks
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b, c = _seq(0, 8, max_tokens=6), _seq(1, 8, max_tokens=6), _seq(2, 8, max_tokens=6)
+    for s in (a, b, c):
+        sched.add(s)
+    _run_step(sched, sched.schedule())  # all prefilled: 2 blocks each, pool full
+    assert bm.allocator.num_free == 0
+    out = sched.schedule()  # a needs a 3rd block: c goes (2 blocks back), then b fits too
+    assert out.preempted == [c] and c.status is SequenceStatus.WAITING
+    assert [(x.seq.request_id, x.start, x.length) for x in out.chunks] == [("r0", 8, 1), ("r1", 8, 1)]
+
+
 def test_abort_and_cleanup_return_every_block_and_slot():
     bm = BlockManager(num_blocks=10, block_size=4, num_slots=3, max_model_len=32)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=7)

@@ -259,3 +259,27 @@ def test_a_failing_request_fails_alone_during_speculation():
     for i in range(3):
         assert done[str(i)].token_ids == refs[i][:MAX_TOKENS]
     assert eng.blocks.allocator.num_used == 0
+
+
+def test_rejected_drafts_leave_no_blocks_behind():
+    """After every step each running request holds exactly the blocks of its committed tokens
+    (ceil(num_computed / B)): the blocks allocated for rejected drafts went back to the pool, and
+    the pool's used count is the sum over requests. Oracle agreeing for 1 of 5 drafts, B = 4, so
+    every verify allocates a block past the committed tokens."""
+    model, prompts, refs = model_and_prompts()
+    checked = [0]
+
+    def check(eng, seqs, outs):
+        held = 0
+        for seq in eng.scheduler.running:
+            ids = eng.blocks.block_ids[seq.slot]
+            assert len(ids) == -(-seq.num_computed // 4), (seq.request_id, len(ids), seq.num_computed)
+            held += len(ids)
+            checked[0] += 1
+        assert eng.blocks.allocator.num_used == held
+
+    done, eng = run(model, prompts, override=oracle(refs, prompts, 1, model.cfg.vocab_size), on_step=check,
+                    block_size=4, num_blocks=80, max_num_seqs=5, max_num_batched_tokens=64)
+    assert checked[0] > 20 and eng.stats().extra["spec_accepted_tokens"] > 0
+    for i, r in enumerate(refs):
+        assert done[str(i)] == r[:MAX_TOKENS]

@@ -114,13 +114,44 @@ def test_torchrun_runs_the_same_code() -> None:
     assert two.stdout.splitlines()[0] == one.stdout.splitlines()[0]  # the completion; timings differ
 
 
-def test_speculation_with_tensor_parallelism_is_refused_before_spawning() -> None:
-    from kvshare.engine.engine import LLMEngine
-    from kvshare.errors import SetupError
+SPEC = {"method": "dspark", "num_speculative_tokens": 3}
 
-    with pytest.raises(SetupError, match="--speculative-config cannot be combined"):
-        LLMEngine("tiny-v41-dspark", tensor_parallel_size=2,
-                  speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+def test_tp2_speculation_gives_tp2_plain_greedy_tokens() -> None:
+    """TP=2 with DSpark speculation (fp32, tiny V4.1 with draft stages, random weights) commits the
+    tokens of TP=2 plain greedy decoding: first with the DSpark drafter itself (its draft forward and
+    draft-window writes replayed on the worker), then with an oracle drafter that agrees with the
+    plain tokens for 2 drafts and then proposes a wrong one (accepted and rejected drafts, rollback
+    of blocks). The replicas' pools and draft windows stay identical (digests)."""
+    kw = dict(tensor_parallel_size=2, quantize=False, dtype="float32", max_num_batched_tokens=32)
+    plain = LLM("tiny-v41-dspark", **kw)
+    try:
+        want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        plain.engine.shutdown()
+    llm = LLM("tiny-v41-dspark", speculative_config=SPEC, **kw)
+    try:
+        eng = llm.engine
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        drafted = eng.stats().extra["spec_draft_tokens"]
+        assert drafted > 0
+        ref = {tuple(p): w for p, w in zip(PROMPTS, want)}
+
+        def oracle(seq, k):  # the plain continuation for 2 drafts, then a token it does not take
+            full = ref[tuple(seq.prompt_token_ids)]
+            done = len(seq.output_token_ids)
+            good = full[done:done + 2]
+            return (good + [(full[done + len(good)] + 1) % eng.cfg.vocab_size if done + len(good) < len(full)
+                            else 0] * k)[:k]
+
+        eng.speculator.draft_override = oracle
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        st = eng.stats().extra
+        assert st["spec_accepted_tokens"] > 0 and st["spec_draft_tokens"] - drafted > st["spec_accepted_tokens"]
+        digests = eng.tp.digests()
+        assert digests[0] == digests[1] == pool_digest(eng.pool)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_stopped_worker_stops_the_engine_within_the_step_timeout() -> None:
@@ -158,3 +189,29 @@ def test_stopped_worker_stops_the_engine_within_the_step_timeout() -> None:
     worker.join(5)
     assert not _alive(worker.pid)
     assert not mp.active_children()
+
+
+def test_cli_accepts_tensor_parallelism_and_speculation_together() -> None:
+    """`kvshare generate --tp 2 --speculative-config ...` runs and prints the completion a plain
+    single-process greedy run prints (fp32: TP=2 greedy tokens equal TP=1's here)."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["generate", "ab", "--model", "tiny-v41-dspark", "--random-weights", "--no-quantize", "--dtype", "float32",
+            "--max-tokens", "10", "--temperature", "0", "--ignore-eos"]
+    one = subprocess.run([sys.executable, "-m", "kvshare", *args], capture_output=True, text=True, timeout=300)
+    both = subprocess.run([sys.executable, "-m", "kvshare", *args, "--tp", "2", "--speculative-config",
+                           json.dumps(SPEC)], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and both.returncode == 0, both.stderr
+    assert "speculation: " in both.stderr and "drafted" in both.stderr
+    assert both.stdout.splitlines()[0] == one.stdout.splitlines()[0]
+
+
+def test_engine_refuses_tensor_parallelism_without_a_started_group() -> None:
+    """TP is launched above the engine (`kvshare.llm.build_engine`); the engine alone refuses it."""
+    from kvshare.engine.engine import LLMEngine
+    from kvshare.errors import SetupError
+
+    with pytest.raises(SetupError, match="build_engine"):
+        LLMEngine("tiny-v41", tensor_parallel_size=2)

@@ -21,10 +21,11 @@ from kvshare.engine.outputs import EngineStats, RequestOutput
 from kvshare.engine.sampling import SamplingParams
 from kvshare.engine.sequence import RequestMetrics
 from kvshare.errors import RequestError
+from kvshare.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "kvshare-mini-v41"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineArgs", "LLMEngine", "DEFAULT_MODEL"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineArgs", "LLMEngine", "DEFAULT_MODEL", "build_engine"]
 
 Prompt = str | list[int]
 
@@ -32,10 +33,6 @@ Prompt = str | list[int]
 def _tokenizer_for(model: Any) -> Any:
     name = model if isinstance(model, str) else DEFAULT_MODEL if model is None else None
     if name is None:
-        return None
-    try:
-        from kvshare.tokenizer import load_tokenizer
-    except ImportError:
         return None
     return load_tokenizer(name)
 
@@ -49,11 +46,25 @@ def _normalise(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
+def build_engine(model: Any = None, tokenizer: Any = None, **engine_args: Any) -> LLMEngine:
+    """An `LLMEngine`; with ``tensor_parallel_size > 1`` the tensor-parallel group is started first
+    (`kvshare.parallel.launch.start`: workers spawned, or joined from torchrun) and the engine
+    gets rank 0's shard and the group's handle."""
+    args = EngineArgs(**engine_args)
+    if args.tensor_parallel_size == 1:
+        return LLMEngine(model, tokenizer, args=args)
+    # Imported here (optional path): torch.distributed and the worker machinery load only for TP runs.
+    from kvshare.parallel.launch import start
+
+    handle, shard = start(model, args)
+    return LLMEngine(shard, tokenizer, args=args, tp=handle)
+
+
 class LLM:
     def __init__(self, model: Any = None, tokenizer: Any = None, **engine_args: Any) -> None:
         if tokenizer is None:
             tokenizer = _tokenizer_for(model)
-        self.engine = LLMEngine(model if model is not None else DEFAULT_MODEL, tokenizer, **engine_args)
+        self.engine = build_engine(model if model is not None else DEFAULT_MODEL, tokenizer, **engine_args)
         self.tokenizer = tokenizer
         self._ids = itertools.count()
 

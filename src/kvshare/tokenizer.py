@@ -346,18 +346,41 @@ def _model_dir(name: str) -> Path | None:
     return shipped if shipped.is_dir() else None
 
 
+def byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer applies)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+
+def is_byte_level(path: str | Path) -> bool:
+    """Whether the `tokenizer.json` at `path` is this byte tokenizer (id = byte value, no merges)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        model = doc.get("model") or {}
+        chars = byte_to_char()
+        return (model.get("type") == "BPE" and not model.get("merges")
+                and model.get("vocab") == {chars[b]: b for b in range(256)}
+                and (doc.get("pre_tokenizer") or {}).get("type") == "ByteLevel")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_tokenizer(model_dir_or_name: str | Path) -> Tokenizer:
     """The tokenizer of a model directory, shipped model or shipped config name.
 
     A directory with `tokenizer.json` gets an `HFTokenizer`, unless the file is the byte tokenizer's
-    (`tokenizer_json.is_byte_level`); anything else a `ByteTokenizer` sized from the model config
+    (`is_byte_level`); anything else a `ByteTokenizer` sized from the model config
     (its vocab_size, bos and eos ids) when one can be found.
     """
     name = str(model_dir_or_name)
     d = _model_dir(name)
     if d is not None and (d / "tokenizer.json").is_file():
-        from kvshare.tokenizer_json import is_byte_level
-
         if not is_byte_level(d / "tokenizer.json"):  # the byte tokenizer's own file: keep the built-in one
             return HFTokenizer(d)
     try:

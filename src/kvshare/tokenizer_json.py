@@ -26,22 +26,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvshare.tokenizer import BYTE_SPECIAL_NAMES, ByteTokenizer
+from kvshare.tokenizer import BYTE_SPECIAL_NAMES, ByteTokenizer, byte_to_char, is_byte_level  # noqa: F401 (re-exported)
 
 # The built-in chat template (`ByteTokenizer.render_chat`) in jinja, with bos first.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def byte_to_char() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer applies)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
 
 
 def _specials(tok: ByteTokenizer) -> list[tuple[int, str]]:
@@ -90,16 +79,3 @@ def write(tok: ByteTokenizer, model_dir: str | Path, model_max_length: int) -> N
     (d / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok), ensure_ascii=False, indent=2) + "\n")
     (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok, model_max_length),
                                                         ensure_ascii=False, indent=2) + "\n")
-
-
-def is_byte_level(path: str | Path) -> bool:
-    """Whether the `tokenizer.json` at `path` is this byte tokenizer (id = byte value, no merges)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        model = doc.get("model") or {}
-        chars = byte_to_char()
-        return (model.get("type") == "BPE" and not model.get("merges")
-                and model.get("vocab") == {chars[b]: b for b in range(256)}
-                and (doc.get("pre_tokenizer") or {}).get("type") == "ByteLevel")
-    except (OSError, ValueError, AttributeError):
-        return False

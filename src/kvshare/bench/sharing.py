@@ -3,7 +3,7 @@
 Per mode:
 
 * cache bytes per token of the engine's block pool, asserted equal to the planner's
-  (`kvshare plan`, i.e. ``kvshare.cli.plan.build_plan``) for the same formats and block size,
+  (`kvshare plan`, i.e. ``kvshare.engine.cache_plan.cache_plan`` from the config alone) for the same formats and block size,
   and the on/off ratio asserted equal to the planner's saving factor;
 * the largest number of concurrent sequences of `sharing_context` tokens that fit in a pool of
   `pool_mib` MiB: the planner's answer (per-sequence rings are reserved per sequence slot, then
@@ -16,7 +16,6 @@ Per mode:
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any
 
@@ -24,19 +23,22 @@ from kvshare.bench.gen import equal_length_prompts
 from kvshare.bench.kv_runner import engine_layout, kv_decode_interleaved, kv_generate, kv_prefill, make_engine
 from kvshare.bench.report import Section, Target
 from kvshare.bench.sizes import BenchSizes, v41_config
+from kvshare.config import load_config
+from kvshare.engine.args import EngineArgs
+from kvshare.engine.cache_plan import cache_plan
+from kvshare.topology import Topology
 
 TARGET_STEP_RATIO = 0.85
 
 
 def planner(cfg_dict: dict[str, Any], block_size: int, layout: Any, share: bool, memory: int | None = None,
             max_seqs: int = 1) -> dict[str, Any]:
-    """`kvshare plan`'s numbers for this config, formats and block size."""
-    from kvshare.cli.plan import build_plan
-
-    ns = argparse.Namespace(config=cfg_dict, block_size=block_size, kv_format=layout.kv_format.name,
-                            index_format=layout.index_format.name, window_format=layout.window_format.name,
-                            memory=memory, max_seqs=max_seqs, no_share=not share)
-    return build_plan(ns)["layout"]
+    """`kvshare plan`'s numbers (`cache_plan`, from the config alone) for this config, formats and
+    block size."""
+    cfg = load_config(cfg_dict)
+    args = EngineArgs(block_size=block_size, share_kv_cache=share,
+                      kv_format=(layout.kv_format.name, layout.index_format.name, layout.window_format.name))
+    return cache_plan(cfg, Topology(cfg), args).layout.to_dict(memory, max_seqs)
 
 
 def max_sequences(cfg_dict: dict[str, Any], block_size: int, layout: Any, share: bool, memory: int,

@@ -136,15 +136,14 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """An `LLMEngine` for the parsed engine flags, with the model's tokenizer."""
-    from kvshare.engine.engine import LLMEngine
+    from kvshare.llm import build_engine as build
     from kvshare.tokenizer import load_tokenizer
 
     kw = engine_args_from(args)
     model = kw.pop("model")
     require_weights(model, getattr(args, "random_weights", False))
     require_memory(model, kw.get("dtype"))
-    engine = LLMEngine(model, tokenizer=load_tokenizer(model), **kw)
-    return engine
+    return build(model, load_tokenizer(model), **kw)
 
 
 def require_weights(model: str, random_weights: bool) -> None:

@@ -1,8 +1,9 @@
 """`kvshare plan CONFIG`: per-layer roles and the cache memory plan, as rich tables or JSON.
 
-Every number printed comes from the `CacheLayout` object (`CacheLayout.to_dict`), so the CLI
-and the engine can never disagree. CONFIG is a config file, a directory with config.json, or a
-shipped config name.
+Every number printed comes from `engine.cache_plan.cache_plan` (the function the engine builds its
+pool with) and its `CacheLayout`, for the engine's defaults (quantised formats, bf16) and the flags
+given, so the CLI and the engine can never disagree. CONFIG is a config file, a directory with
+config.json, or a shipped config name.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="show per-layer cache roles and the memory plan",
                               description=__doc__.splitlines()[0])
     p.add_argument("config", metavar="CONFIG", help="config.json, a directory holding it, or a shipped name")
-    p.add_argument("--block-size", type=positive_int, default=128, help="tokens per cache block (default 128)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per cache block (default: the engine's, lcm(64, compress ratios): 64 for V4.1, "
+                        "128 for V4)")
     p.add_argument("--kv-format", default=None, help="compressed-KV row format (fp4, fp8, fp8_v4, bf16, fp32)")
     p.add_argument("--index-format", default=None, help="index-K row format (fp4, fp8, bf16, fp32)")
     p.add_argument("--window-format", default=None, help="sliding-window row format (fp8, fp8_v4, bf16, fp32)")
@@ -69,20 +72,33 @@ def _layer_row(p: LayerPlan, layout: CacheLayout) -> dict[str, Any]:
     }
 
 
+def engine_args(args: argparse.Namespace) -> Any:
+    """The `EngineArgs` an engine started with the plan's flags would get."""
+    from kvshare.engine.args import EngineArgs
+
+    formats = (args.kv_format, args.index_format, args.window_format)
+    k = getattr(args, "speculative_tokens", 0) or 0
+    return EngineArgs(block_size=args.block_size, kv_format=formats if any(formats) else "auto",
+                      gpu_memory_bytes=args.memory, max_num_seqs=args.max_seqs, share_kv_cache=not args.no_share,
+                      speculative_config={"method": "dspark", "num_speculative_tokens": k} if k else None)
+
+
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """The plan as a JSON-able dict; numbers come from the CacheLayout."""
+    """The plan as a JSON-able dict; numbers come from `cache_plan` and its CacheLayout."""
+    import dataclasses
+
     from kvshare.cache.checkpoint import checkpoint_bytes, checkpoint_bytes_by_ring
-    from kvshare.cache.layout import CacheLayout
     from kvshare.config import load_config
+    from kvshare.engine.cache_plan import cache_plan
     from kvshare.parallel.plan import rank_plan
     from kvshare.topology import Topology
 
     cfg = load_config(args.config)
-    topo = Topology(cfg, share_cache=not args.no_share)
+    topo = Topology(cfg)
+    eargs = engine_args(args)
+    cp = cache_plan(cfg, topo, eargs)
+    layout = cp.layout
     k = getattr(args, "speculative_tokens", 0) or 0
-    layout = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
-                         index_format=args.index_format, window_format=args.window_format,
-                         window_slack=k, state_slack=k)
     plan = {
         "config": str(args.config),
         "arch": cfg.arch,
@@ -91,6 +107,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "roles": topo.summary_counts(),
         "layers": [_layer_row(p, layout) for p in topo.layers],
         "layout": layout.to_dict(args.memory, args.max_seqs),
+        "pool": cp.to_dict(),
         "weights": weight_bytes(cfg),
         "tensor_parallel": rank_plan(cfg, getattr(args, "tensor_parallel_size", 1), getattr(args, "weight_bytes", 2)),
         "prefix_checkpoint": {
@@ -100,8 +117,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     if k:
-        plain = CacheLayout(topo, block_size=args.block_size, kv_format=args.kv_format,
-                            index_format=args.index_format, window_format=args.window_format)
+        plain = cache_plan(cfg, topo, dataclasses.replace(eargs, speculative_config=None)).layout
         plan["speculation"] = {
             "num_speculative_tokens": k,
             "draft_window_bytes_per_seq": sum(s.nbytes for s in layout.states if s.layer >= cfg.num_hidden_layers
@@ -114,7 +130,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
 def weight_bytes(cfg: Any) -> dict[str, Any]:
     """Backbone parameters (bf16 bytes as the engine holds them on a GPU) and Engram's bytes in its
     released dtypes: the tables stay in host memory; `wkv` and the gates are among the parameters."""
-    from kvshare.config_engram import engram_bytes
+    from kvshare.config.engram import engram_bytes
     from kvshare.model.hf_naming import released_shapes
 
     params = sum(math.prod(s) for s in released_shapes(cfg).values())
@@ -182,6 +198,10 @@ def _print_rich(plan: dict[str, Any]) -> None:
     s.add_row("prefix-cache checkpoint per boundary", f"{_fmt_bytes(ck['bytes_per_boundary'])}: {parts}"
               + ("" if ck["bytes_per_boundary_with_draft"] == ck["bytes_per_boundary"] else
                  f" ({_fmt_bytes(ck['bytes_per_boundary_with_draft'])} with draft layers)"))
+    pool = plan["pool"]
+    s.add_row("engine pool", f"{pool['num_blocks']:,} blocks of {pool['block_size']} tokens (incl. null block), "
+                             f"{_fmt_bytes(pool['total_bytes'])} with {pool['num_slots']} slots' rings; "
+                             f"max_model_len {pool['max_model_len']:,}")
     mem = lay.get("memory")
     if mem:
         s.add_row("memory budget", _fmt_bytes(mem["memory_bytes"]))

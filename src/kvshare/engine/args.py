@@ -1,12 +1,9 @@
 """EngineArgs and how they resolve against a model: device, dtype, row formats, pool size.
 
 Defaults: ``dtype`` None = bf16 on every device (fp32 / float64 on request, for oracle tests; see
-`kvshare.model.dtypes` for what stays fp32); ``block_size`` None = lcm(64, every compress ratio in use) (64 for V4.1, 128 for V4);
-``kv_format`` "auto" = the architecture's packed fp4 / fp8 formats when quantising, else plain
-rows matching the model dtype (fp32 or bf16) for kv, index keys and window; ``quantize`` None =
-keep the model's own fake-quant setting; pool = ``num_blocks``, else what ``gpu_memory_bytes``
-holds after every slot's rings, else enough blocks for ``max_num_seqs`` full-length sequences
-(capped at 1 GiB); ``max_model_len`` None = min(model positions, what the pool holds);
+`kvshare.model.dtypes` for what stays fp32); ``quantize`` None = keep the model's own fake-quant
+setting; the cache arguments (``block_size``, ``kv_format``, ``num_blocks``, ``gpu_memory_bytes``,
+``max_model_len``, ``prefix_checkpoint_bytes``) resolve in `engine.cache_plan`;
 ``engram_table`` "mmap" = Engram tables memory-mapped from the checkpoint (resident memory stays
 small; rows come from the page cache), "memory" = read into RAM at load (fastest lookups);
 ``threads`` None = `resolve_threads`; ``enable_prefix_caching`` True = exact prefix caching
@@ -15,18 +12,12 @@ small; rows come from the page cache), "memory" = read into RAM at load (fastest
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from kvshare.cache.checkpoint import checkpoint_bytes
-from kvshare.cache.layout import CacheLayout
-from kvshare.config import ModelConfig
 from kvshare.errors import SetupError
-from kvshare.topology import Topology
 
-DEFAULT_POOL_CAP_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
 
@@ -52,7 +43,7 @@ class EngineArgs:
     tp_step_timeout: float = 60.0  # seconds rank 0 waits inside one step before declaring a worker stuck
     threads: int | None = None
     enable_prefix_caching: bool = True
-    prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see checkpoint_budget
+    prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see cache_plan.checkpoint_budget
     batch_invariant: bool | None = None  # None: `resolve_batch_invariant`
 
 
@@ -123,74 +114,3 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def default_block_size(topo: Topology) -> int:
-    bs = 64
-    for r in topo.ratios_in_use:
-        bs = bs * r // math.gcd(bs, r)
-    return bs
-
-
-def build_layout(cfg: ModelConfig, args: EngineArgs, cache_quant: bool, index_quant: bool,
-                 dtype: torch.dtype) -> CacheLayout:
-    """The cache layout of the pool: topology (shared or not), block size and row formats.
-
-    A quantised group (kv + window rows, or index keys) gets the architecture's packed format, a
-    plain group fp32 / bf16 rows like the model, so storing what the model computes is lossless.
-    """
-    topo = Topology(cfg, share_cache=args.share_kv_cache)
-    bs = args.block_size or default_block_size(topo)
-    # Plain rows hold what the model computes, losslessly: a float64 model keeps float64 rows.
-    plain = {torch.float32: "fp32", torch.float64: "fp64"}.get(dtype, "bf16")
-    if isinstance(args.kv_format, (tuple, list)):
-        kv, ik, win = args.kv_format
-    else:
-        kv = win = None if cache_quant else plain
-        ik = None if index_quant else plain
-        if args.kv_format not in (None, "auto"):
-            kv = args.kv_format
-    slack = speculative_slack(cfg, args)
-    wide = 8 if dtype == torch.float64 else 4  # compressor states "fp32 or wider", like the model's steps
-    return CacheLayout(topo, bs, kv_format=kv, index_format=ik, window_format=win, state_dtype_bytes=wide,
-                       window_slack=slack, state_slack=slack)
-
-
-def speculative_slack(cfg: ModelConfig, args: EngineArgs) -> int:
-    """Ring rows a verify step needs on top of each window / compressor depth: one per draft token
-    (spec engram_dspark.md §2.8); 0 without speculation."""
-    from kvshare.engine.spec_config import SpeculativeConfig
-
-    spec = SpeculativeConfig.parse(args.speculative_config)
-    return 0 if spec is None else spec.num_tokens(cfg)
-
-
-def pool_blocks(layout: CacheLayout, args: EngineArgs, model_len: int) -> int:
-    """Number of blocks (null block included) the pool allocates."""
-    if args.num_blocks is not None:
-        n = args.num_blocks
-    elif args.gpu_memory_bytes is not None:
-        n = layout.blocks_for_memory(args.gpu_memory_bytes, args.max_num_seqs)
-    else:
-        want = args.max_num_seqs * -(-model_len // layout.block_size) + 1
-        cap = max(2, DEFAULT_POOL_CAP_BYTES // max(1, layout.bytes_per_block))
-        n = min(want, cap)
-    if n < 2:
-        raise SetupError(f"the KV-cache pool gets {n} blocks of {layout.bytes_per_block:,} B; it needs at least 2 "
-                         "(raise --memory or --num-blocks, or lower --max-num-seqs; in the Python API: "
-                         "gpu_memory_bytes, num_blocks, max_num_seqs)")
-    return n
-
-
-DEFAULT_CHECKPOINT_CAP_BYTES = 256 << 20
-
-
-def checkpoint_budget(layout: CacheLayout, args: EngineArgs) -> int:
-    """Bytes the prefix cache's boundary checkpoints may hold: ``prefix_checkpoint_bytes``, else four
-    checkpoints per request slot, capped at 256 MiB but never below one checkpoint."""
-    if args.prefix_checkpoint_bytes is not None:
-        if args.prefix_checkpoint_bytes < 0:
-            raise ValueError(f"prefix_checkpoint_bytes must be >= 0, got {args.prefix_checkpoint_bytes}")
-        return args.prefix_checkpoint_bytes
-    one = checkpoint_bytes(layout)
-    return max(one, min(DEFAULT_CHECKPOINT_CAP_BYTES, 4 * max(1, args.max_num_seqs) * one))

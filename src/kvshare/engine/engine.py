@@ -1,8 +1,13 @@
 """LLMEngine: requests in, one scheduler step at a time, RequestOutputs out.
 
-``step()``: schedule (continuous batching, chunked prefill, preemption) -> ModelRunner (one batched
-forward over the paged cache) -> Sampler (batched) -> per-request bookkeeping (stop checks,
-detokenisation) -> outputs of the requests that got a token or finished.
+``step()`` is one pipeline: the Scheduler emits a StepPlan (continuous batching, chunked prefill,
+preemption); per isolation group the Proposer adds drafts (speculation; none otherwise), the
+Executor runs the forward (the only caller of the model runner and the backend's end of step;
+tensor parallelism replaces it with one that replays each operation on the workers) and the
+Acceptor turns the logits rows into committed tokens (Sampler, or speculative verification);
+then one commit advances every sequence by its committed tokens (blocks past them freed, prefix
+caching told) and appends the new tokens (stop checks, detokenisation); the step returns the
+outputs of the requests that got a token or finished.
 
 Invariants: a request that fails validation raises RequestError from ``add_request`` and leaves
 the engine untouched; a finished or aborted request holds no blocks and no slot. A request that
@@ -15,45 +20,59 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 
 from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
-from kvshare.engine.args import (EngineArgs, apply_threads, build_layout, checkpoint_budget, pool_blocks,
-                                 resolve_batch_invariant, resolve_device, resolve_dtype)
-from kvshare.engine.isolation import run_isolated, sample_isolated
+from kvshare.engine.args import EngineArgs, apply_threads, resolve_batch_invariant, resolve_device, resolve_dtype
+from kvshare.engine.cache_plan import cache_plan
+from kvshare.engine.acceptor import Acceptance, Accepted, Acceptor
+from kvshare.engine.executor import Executor
+from kvshare.engine.isolation import run_isolated
 from kvshare.engine.logprobs import record_prompt_logprobs, sampled_top_logprobs
 from kvshare.engine.structured import StructuredOutputs
 from kvshare.engine.model_runner import ModelRunner
-from kvshare.model.dtypes import weight_bytes
 from kvshare.engine.outputs import EngineStats, RequestOutput
-from kvshare.engine.prefix_caching import PrefixCaching
+from kvshare.engine.prefix_caching import NoPrefixCaching, PrefixCaching
 from kvshare.engine.sampling import Sampler, SamplingParams
 from kvshare.engine.scheduler import Scheduler
 from kvshare.engine.sequence import Sequence, SequenceStatus
+from kvshare.engine.spec_config import SpeculativeConfig
+from kvshare.engine.speculative import NoProposer, Speculator
+from kvshare.engine.step_plan import ScheduledChunk
 from kvshare.errors import RequestError, SetupError
+from kvshare.model.dspark import DSparkDraft
+from kvshare.model.dtypes import cast_model, weight_bytes
+from kvshare.model.linear import pack_linears
+from kvshare.model.loader import load_model
+from kvshare.topology import Topology
+
+
+class TensorParallel(Protocol):
+    """Rank 0's handle on a started tensor-parallel group (kvshare.parallel.launch.TPHandle)."""
+
+    def executor(self, runner: ModelRunner, pool: BlockPool, draft: Any, windows: Any) -> Executor: ...
+
+    def close(self) -> None: ...
 
 
 class LLMEngine:
     def __init__(self, model: Any = None, tokenizer: Any = None, args: EngineArgs | None = None,
-                 **engine_args: Any) -> None:
+                 tp: TensorParallel | None = None, **engine_args: Any) -> None:
+        """`tp`: rank 0's handle when the group was started above the engine (`kvshare.llm.build_engine`
+        starts it and passes rank 0's shard as `model`); the engine then runs every operation through
+        the group's executor. ``tensor_parallel_size > 1`` without a handle is refused."""
         self.args = args = dataclasses.replace(args or EngineArgs(), **engine_args)
-        self.tp = None  # kvshare.parallel.launch.TPHandle on rank 0 of a tensor-parallel engine
-        if args.tensor_parallel_size != 1 and args.speculative_config is not None:
-            # The speculator runs its own draft and verify forwards, which the TP workers do not replay.
-            raise SetupError("--speculative-config cannot be combined with --tensor-parallel-size > 1 yet; "
-                             "drop one of them")
-        if args.tensor_parallel_size != 1:
-            from kvshare.parallel.launch import start
-
-            self.tp, model = start(model, args)
+        self.tp = tp
+        if args.tensor_parallel_size != 1 and tp is None:
+            raise SetupError(f"tensor_parallel_size {args.tensor_parallel_size} needs the group started first: "
+                             "build the engine with kvshare.llm.build_engine (or LLM), which starts it")
         model = self._load(model, args)
         model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device,
                                                                                  self.dtype)
-        self.model = model
         self.threads = apply_threads(args.threads, model)
         self.weight_bytes = weight_bytes(model)  # as stored (bf16 with the fp32 set, or the oracle dtype)
         self.cfg = model.cfg
@@ -61,37 +80,36 @@ class LLMEngine:
         q = getattr(model, "quant", None)
         cache_q = bool(q.cache) if q is not None else bool(args.quantize)
         index_q = bool(q.index) if q is not None else bool(args.quantize)
-        self.layout = build_layout(self.cfg, args, cache_q, index_q, self.dtype)
-        model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
-        num_blocks = pool_blocks(self.layout, args, model_len)
-        capacity = (num_blocks - 1) * self.layout.block_size
-        if args.max_model_len is not None and args.max_model_len > capacity:
-            raise SetupError(f"max_model_len {args.max_model_len} exceeds what the pool holds ({num_blocks - 1} "
-                             f"blocks x {self.layout.block_size} = {capacity} tokens); raise --memory / "
-                             "--num-blocks or lower --max-model-len")
-        self.max_model_len = min(model_len, capacity)
-        slots = max(1, args.max_num_seqs)
+        topo = getattr(model, "topo", None) or Topology(self.cfg)  # the model's own wiring
+        self.plan = cache_plan(self.cfg, topo, args, cache_q, index_q, self.dtype)
+        self.layout, num_blocks, self.max_model_len = self.plan.layout, self.plan.num_blocks, self.plan.max_model_len
+        slots = self.plan.num_slots
         self.pool = BlockPool(self.layout, num_blocks, slots, self.device, self.dtype)
         self.backend = PagedBackend(self.pool)
         self.blocks = BlockManager(num_blocks, self.layout.block_size, slots, self.max_model_len, self.device)
-        self.blocks.on_open = self._reset_slot
-        self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill)
         self.runner = ModelRunner(model, self.backend, self.blocks, self.device)
-        self.prefix = None
-        # Under tensor parallelism rank 0's hits are replayed on the workers (parallel/control.py).
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        draft = DSparkDraft(model) if spec is not None else None
+        windows = draft.windows(self.backend) if draft is not None else None
+        self.executor: Executor = (self.tp.executor(self.runner, self.pool, draft, windows) if self.tp is not None
+                                   else Executor(self.runner, self.pool, draft, windows))
+        self.blocks.on_open = self.executor.reset_slot  # a recycled slot starts with zeroed rings (§9.6)
+        self.prefix_caching: PrefixCaching | NoPrefixCaching = NoPrefixCaching()
         if args.enable_prefix_caching:
-            budget = checkpoint_budget(self.layout, args)
-            self.prefix = PrefixCaching(self.layout, self.pool, self.blocks, self.backend, budget,
-                                        str(getattr(model, "name_or_path", "")), self.dtype)
-            self.scheduler.prefix = self.prefix
-        self.sampler = Sampler(self.device, args.seed or 0)
+            self.prefix_caching = PrefixCaching(self.layout, self.pool, self.blocks, self.backend,
+                                        self.plan.checkpoint_budget,
+                                        str(getattr(model, "name_or_path", "")), self.dtype, self.executor.restore)
+            self.executor.observers.append(self.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill,
+                                   self.prefix_caching)
+        sampler = Sampler(self.device, args.seed or 0)
         eos = set(self.cfg.eos_token_ids)
         if tokenizer is not None:
             eos |= set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.eos_ids = frozenset(i for i in eos if i is not None)
-        self.sampler.eos_ids = self.eos_ids
+        sampler.eos_ids = self.eos_ids
         self.structured = StructuredOutputs(tokenizer, self.cfg.vocab_size, self.eos_ids)
-        self.sampler.masks_for = self.structured.masks
+        sampler.masks_for = self.structured.masks
         self.runner.on_prompt_rows = record_prompt_logprobs
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -99,29 +117,47 @@ class LLMEngine:
         self._order = itertools.count()
         self._stats = EngineStats(num_blocks_total=self.blocks.allocator.num_usable,
                                   bytes_per_block=self.layout.bytes_per_block)
-        self.speculator = None
-        if args.speculative_config is not None:
-            from kvshare.engine.speculative import Speculator
-            from kvshare.engine.spec_config import SpeculativeConfig
+        self.speculator: Speculator | None = None
+        self.proposer: Speculator | NoProposer = NoProposer()
+        if spec is not None:
+            self.speculator = self.proposer = Speculator(self.executor, sampler, spec, self.blocks,
+                                                         self.max_model_len, self._stats.extra, self.structured)
+        self.acceptor = Acceptor(sampler, self.speculator)
 
-            self.speculator = Speculator(self, SpeculativeConfig.parse(args.speculative_config))
-        if self.tp is not None:
-            self.tp.attach(self)
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler every committed token comes from (the acceptor's and the verifier's)."""
+        return self.acceptor.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Sampler) -> None:
+        """Swap the sampler everywhere it is held (acceptor and speculator)."""
+        self.acceptor.sampler = sampler
+        if self.speculator is not None:
+            self.speculator.sampler = sampler
+
+    @property
+    def model(self) -> Any:
+        """The target model (the runner's: assigning it swaps what every forward runs)."""
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.runner.model = model
+
+    @property
+    def prefix(self) -> PrefixCaching | None:
+        """The prefix cache's engine side, None when prefix caching is off."""
+        p = self.prefix_caching
+        return p if isinstance(p, PrefixCaching) else None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
         if self.tp is not None:
             self.tp.close()
 
-    def _reset_slot(self, slot: int) -> None:
-        """A recycled request slot starts with zeroed rings (spec/cache.md §9.6)."""
-        with torch.inference_mode():
-            self.pool.reset_slots(torch.tensor([slot], device=self.device))
-
     def _load(self, model: Any, args: EngineArgs) -> Any:
         if model is None or isinstance(model, str):
-            from kvshare.model.loader import load_model
-
             self.device = resolve_device(args.device)
             self.dtype = resolve_dtype(args.dtype, self.device)
             quant = True if args.quantize is None else args.quantize
@@ -132,12 +168,8 @@ class LLMEngine:
         self.device = resolve_device(args.device) if args.device is not None else p.device
         self.dtype = resolve_dtype(args.dtype, self.device) if args.dtype is not None else p.dtype
         if (p.device, p.dtype) != (self.device, self.dtype):
-            from kvshare.model.dtypes import cast_model
-
             model = cast_model(model, self.dtype, self.device)
         else:
-            from kvshare.model.linear import pack_linears
-
             pack_linears(model)
         if args.quantize is not None and hasattr(model, "set_quant"):
             model.set_quant(args.quantize)
@@ -208,45 +240,70 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = [RequestOutput.of(s) for s in self._aborted]
         self._aborted.clear()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
             return outputs
-        if self.speculator is not None:  # DSpark: draft, verify and commit (engine/speculative.py)
-            return outputs + self.speculator.step(sched)
-        step_run = self.runner.run if self.prefix is None else self.prefix.capturing(self.runner.run)
-        run = run_isolated(step_run, sched.chunks, self._suspects)
+        budget = [self.scheduler.max_num_batched_tokens - plan.num_tokens]  # what drafts may spend
+        run = run_isolated(lambda group: self._run_group(group, budget), plan.chunks, self._suspects)
         for seq, err in run.failed:
             self._fail(seq, err, outputs)
         for seq in run.requeue:
             self.scheduler.requeue(seq)
-        chunks, logits, sampling = run.chunks, run.logits, run.sampling
-        decodes = 0
-        for c in chunks:
-            c.seq.num_computed += c.length
-            c.seq.new_token_ids = []
-            decodes += int(c.length == 1 and c.start >= len(c.seq.prompt_token_ids) and c.samples)
-        if self.prefix is not None:
-            self.prefix.end_step(chunks)
-        self._stats.num_steps += 1
-        self._stats.prompt_tokens += sum(c.length for c in chunks) - decodes
-        if sampling:
-            seqs = [chunks[i].seq for i in sampling]
-            picked = sample_isolated(self.sampler, logits, [s.params for s in seqs], [s.request_id for s in seqs],
-                                     [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
-            now = time.perf_counter()
-            for j, (seq, got) in enumerate(zip(seqs, picked)):
-                if isinstance(got, BaseException):
-                    self._fail(seq, got, outputs)
-                else:
-                    self._emit(seq, [got[0]], [got[1]], now, outputs, logits[j:j + 1])
+        chunks: list[ScheduledChunk] = []
+        committed: list[int] = []
+        accepted: Acceptance = {}
+        for group, (n, acc) in run.done:
+            accepted.update({len(chunks) + i: a for i, a in acc.items()})
+            chunks += group
+            committed += n
+        self._commit(chunks, committed, accepted, outputs)
         return outputs
 
+    def _run_group(self, group: list[ScheduledChunk], budget: list[int]) -> tuple[list[int], Acceptance]:
+        """Propose, forward, accept for one isolation group: (committed tokens per chunk, acceptance)."""
+        self.proposer.propose(group, budget)
+        fwd = self.executor.forward(group, self.proposer.taps)
+        accepted = self.acceptor.accept(fwd)
+        committed = [c.length + (len(a.tokens) - 1 if c.draft and isinstance(a, Accepted) else 0)
+                     for c, a in ((c, accepted.get(i)) for i, c in enumerate(group))]
+        self.proposer.after_accept(committed)
+        return committed, accepted
+
+    def _commit(self, chunks: list[ScheduledChunk], committed: list[int], accepted: Acceptance,
+                outputs: list[RequestOutput]) -> None:
+        """Advance every chunk's sequence by its committed tokens (blocks past them freed), tell
+        prefix caching and the commit hooks, then append the new tokens in chunk order."""
+        drafted = False
+        for c, n in zip(chunks, committed):
+            c.seq.num_computed += n
+            c.seq.new_token_ids = []
+            if c.draft:  # only a drafted chunk holds blocks past its committed tokens
+                drafted = True
+                self.blocks.shrink(c.seq.slot, c.seq.num_computed)  # type: ignore[arg-type]
+        # Before the appends (a request finishing below checkpoints at release); a boundary inside
+        # accepted drafts waits for the call after them.
+        self.prefix_caching.on_commit(chunks, final=not drafted)
+        for hook in self.proposer.on_commit:
+            hook([c.seq for c in chunks], committed)
+        self._stats.num_steps += 1
+        self._stats.prompt_tokens += sum(c.length for c in chunks if not c.is_decode)
+        now = time.perf_counter()
+        for i in sorted(accepted):
+            seq, a = chunks[i].seq, accepted[i]
+            if isinstance(a, BaseException):
+                self._fail(seq, a, outputs)
+                continue
+            self.proposer.observe(seq, a)
+            self._emit(seq, a.tokens, a.logprobs, now, outputs, lambda a=a: a.token_rows)
+        if drafted:
+            self.prefix_caching.on_commit(chunks)  # accepted drafts are token ids now: their blocks and boundaries
+
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], now: float,
-              outputs: list[RequestOutput], rows: torch.Tensor | None = None) -> None:
+              outputs: list[RequestOutput], rows: Callable[[], torch.Tensor] | None = None) -> None:
         """Append a request's new tokens in order (stopping at the first that finishes it), record
-        its first-token time and report it. Shared by plain and speculative steps; a failure here
-        (say a detokeniser error) fails this request only. `rows`: the raw logits behind each token
-        (for top-k logprobs). A request with max_tokens 0 finishes here, its sampled token dropped."""
+        its first-token time and report it. A failure here (say a detokeniser error) fails this
+        request only. `rows`: the raw logits behind each token (read only for top-k logprobs). A
+        request with max_tokens 0 finishes here, its sampled token dropped."""
         if seq.params.max_tokens == 0:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
             self._retire(seq)
@@ -256,7 +313,7 @@ class LLMEngine:
             seq.metrics.first_token_time = now
         try:
             k = seq.params.num_logprobs
-            tops = (sampled_top_logprobs(rows, k) if k and rows is not None
+            tops = (sampled_top_logprobs(rows(), k) if k and rows is not None
                     else [{} if k is not None else None for _ in tokens])
             for tok, lp, top in zip(tokens, logprobs, tops):
                 self._append(seq, tok, lp, top)
@@ -325,11 +382,5 @@ class LLMEngine:
         s.num_waiting = len(self.scheduler.waiting)
         s.num_blocks_used = self.blocks.allocator.num_used
         s.num_preemptions = self.scheduler.num_preemptions
-        if self.prefix is not None:
-            c = self.prefix.cache
-            s.prefix_cache_queried_tokens = c.stats.queried_tokens
-            s.prefix_cache_hit_tokens = c.stats.hit_tokens
-            s.prefix_cache_checkpoint_bytes = c.checkpoint_bytes
-            s.prefix_cache_checkpoints = len(c.checkpoints)
-            s.prefix_cache_evictable_blocks = self.blocks.allocator.num_evictable
+        self.prefix_caching.report(s, self.blocks)
         return dataclasses.replace(s)

@@ -12,52 +12,51 @@ can simply be run again. `run_isolated` therefore:
 
 A suspect that completes a step alone is cleared and batches normally again. A poisoned request
 among N therefore costs one failed batch and one step of N single-sequence forwards, after
-which the others run batched as before. `sample_isolated` does the same for the sampler, row by
-row (sampling has no cache state, so a failed batch is simply redone per row; a seeded row's
-generator may then have drawn twice in that step, so only a step that failed loses that row's
-seed-for-seed reproducibility).
+which the others run batched as before. `per_row` does the same for acceptance (sampling or
+speculative verification) row by row: it has no cache state, so a failed batch is simply redone
+per row (a seeded row's generator may then have drawn twice in that step, so only a step that
+failed loses that row's seed-for-seed reproducibility). Plain and speculative steps share both.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Generic, TypeVar
 
-import torch
-
-from kvshare.engine.scheduler import ScheduledChunk
 from kvshare.engine.sequence import Sequence
+from kvshare.engine.step_plan import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
 
 @dataclass
-class IsolatedRun:
-    """What survived one step: chunks that ran, their sampling logits, failures and requeues."""
+class IsolatedRun(Generic[R]):
+    """What survived one step: each group that ran with its result, failures and requeues."""
 
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [len(sampling), vocab]
-    sampling: list[int] = field(default_factory=list)  # indices into `chunks`
+    done: list[tuple[list[ScheduledChunk], R]] = field(default_factory=list)
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
     requeue: list[Sequence] = field(default_factory=list)
 
 
-def run_isolated(run: Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[int]]],
-                 chunks: list[ScheduledChunk], suspects: set[str]) -> IsolatedRun:
-    """Run `chunks` through `run` (ModelRunner.run) so that one failing request cannot fail others.
+def run_isolated(run: Callable[[list[ScheduledChunk]], R], chunks: list[ScheduledChunk],
+                 suspects: set[str]) -> IsolatedRun[R]:
+    """Run `chunks` through `run` (one group at a time) so that one failing request cannot fail others.
 
     `suspects` (request ids) is updated in place: failed groups add theirs, solo successes clear.
+    An exception with ``engine_fatal`` set (a lost tensor-parallel worker: no request's fault)
+    propagates.
     """
     clean = [c for c in chunks if c.seq.request_id not in suspects]
     groups = ([clean] if clean else []) + [[c] for c in chunks if c.seq.request_id in suspects]
-    out = IsolatedRun()
-    rows: list[torch.Tensor] = []
+    out: IsolatedRun[R] = IsolatedRun()
     for group in groups:
         try:
-            logits, sampling = run(group)
+            result = run(group)
         except Exception as e:  # noqa: BLE001 - any failure is contained to this group
-            if getattr(e, "engine_fatal", False):  # e.g. a lost tensor-parallel worker: no request's fault
+            if getattr(e, "engine_fatal", False):
                 raise
             if len(group) == 1:
                 suspects.discard(group[0].seq.request_id)
@@ -70,32 +69,24 @@ def run_isolated(run: Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[
             continue
         if len(group) == 1:
             suspects.discard(group[0].seq.request_id)
-        base = len(out.chunks)
-        out.chunks.extend(group)
-        out.sampling.extend(base + i for i in sampling)
-        rows.append(logits)
-    if rows:
-        out.logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        out.done.append((group, result))
     return out
 
 
-def sample_isolated(sample: Callable[..., tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor,
-                    params: list[Any], request_ids: list[str],
-                    histories: list[Any] | None = None) -> list[tuple[int, float] | BaseException]:
-    """Sample all rows at once; if that raises, row by row. Returns per row (token, logprob) or the error.
+T = TypeVar("T")
 
-    `histories` (each row's prompt and output ids, for penalties) is passed on, sliced like the rows."""
+
+def per_row(batch: Callable[[list[int]], list[T]], n: int) -> list[T | BaseException]:
+    """``batch(rows)`` for all `n` rows at once; if that raises, row by row, each failure kept as
+    its exception (the caller fails that request alone)."""
     try:
-        tokens, logprobs = sample(logits, params, request_ids, histories)
-        return list(zip(tokens.tolist(), logprobs.tolist()))
+        return list(batch(list(range(n))))
     except Exception:  # noqa: BLE001 - find the row(s) at fault
         pass
-    results: list[tuple[int, float] | BaseException] = []
-    for i in range(len(params)):
+    out: list[T | BaseException] = []
+    for i in range(n):
         try:
-            t, lp = sample(logits[i:i + 1], params[i:i + 1], request_ids[i:i + 1],
-                           None if histories is None else histories[i:i + 1])
-            results.append((int(t[0]), float(lp[0])))
+            out.extend(batch([i]))
         except Exception as e:  # noqa: BLE001
-            results.append(e)
-    return results
+            out.append(e)
+    return out

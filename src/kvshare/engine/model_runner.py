@@ -3,10 +3,12 @@
 Per step it builds the flat token ids, the ragged StepBatch (positions, seq_index, cu_seqlens,
 chunk starts/lengths, and the same as host ints), the request slots and the block tables (one
 gather from the block manager's per-slot table), the step's `StepAddresses` (bound to the backend
-with ``begin_step``), calls ``model.forward(input_ids, batch, backend)``, then ``end_step``, and
-returns the logits of the last token of every chunk that samples, in chunk order. A chunk of a
-request that asks for prompt log-probabilities (run through ``run``) gets logits for all its rows,
-handed to ``on_prompt_rows``.
+with ``begin_step``), calls ``model.forward(input_ids, batch, backend, state)`` and returns the
+logits rows of every chunk that samples, in chunk order: its last row, and with drafts one row per
+draft before it (``1 + len(draft)`` rows). The `Executor` (engine/executor.py) is its only caller
+and ends the backend's step after it. A chunk of a request that asks for prompt log-probabilities
+gets logits for all its rows, handed to ``on_prompt_rows`` (rank 0's; a tensor-parallel worker
+computes the same rows, told by the chunk's wire form, and drops them).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Callable
 import torch
 
 from kvshare.cache.blocks import BlockManager
-from kvshare.engine.scheduler import ScheduledChunk
-from kvshare.runtime import CacheBackend, StepBatch
+from kvshare.engine.step_plan import ScheduledChunk, WireSequence
+from kvshare.runtime import CacheBackend, StepBatch, StepState
 
 
 class ModelRunner:
@@ -28,16 +30,16 @@ class ModelRunner:
         self.backend = backend
         self.blocks = blocks
         self.device = torch.device(device)
-        # Called with (input_ids, batch) before each forward (tensor parallelism sends them to the workers).
-        self.before_forward: Callable[[torch.Tensor, StepBatch], None] | None = None
         # Called with (sequence, first position, logits rows [L, V]) for chunks that want every row.
         self.on_prompt_rows: Callable[..., None] | None = None
 
     @staticmethod
     def _all_rows(c: ScheduledChunk) -> bool:
         """Whether `c` covers prompt positions of a request that asks for prompt logprobs."""
-        return getattr(c.seq.params, "prompt_logprobs", None) is not None and not c.draft \
-            and c.start < len(c.seq.prompt_token_ids) - 1
+        seq = c.seq
+        wants = (seq.prompt_rows if isinstance(seq, WireSequence)
+                 else getattr(seq.params, "prompt_logprobs", None) is not None)
+        return wants and not c.draft and c.start < len(seq.prompt_token_ids) - 1
 
     def build_batch(self, chunks: list[ScheduledChunk],
                     all_rows: bool = False) -> tuple[torch.Tensor, StepBatch, list[int]]:
@@ -64,34 +66,38 @@ class ModelRunner:
         return input_ids, batch, sampling
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """One model forward over the cache, then the backend's end-of-step updates; the model's logits.
-
-        The step's `StepAddresses` are built here, once, before the layers (``batch.addresses()``)
-        and bound to the backend; the layers and the backend only look them up."""
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, state: StepState | None = None) -> torch.Tensor:
+        """The model's logits over `batch` (no end of step: the executor's). The step's
+        `StepAddresses` are built here, once, before the layers (``batch.addresses()``), and bound
+        to the backend; the layers and the backend only look them up."""
         self.backend.begin_step(batch.addresses())
-        try:
+        if state is None:  # without `state`: models wrapped by tests take (input_ids, batch, backend)
             return self.model(input_ids, batch, self.backend)
-        finally:
-            self.backend.end_step()  # deferred ring updates, inside inference mode like the rings themselves
+        return self.model(input_ids, batch, self.backend, state)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns (logits [S, vocab] fp32 of the sampling chunks, their chunk indices)."""
-        wide = self.on_prompt_rows is not None and any(self._all_rows(c) for c in chunks)
+    def run(self, chunks: list[ScheduledChunk], state: StepState | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Run one forward (no end of step: the executor's); returns (logits [R, vocab] of the
+        sampling chunks' rows, as the model returns them: fp32, float64 in a float64 model; their
+        chunk indices). Chunks that want prompt logprobs hand all their rows to ``on_prompt_rows`` first."""
+        wide = any(self._all_rows(c) for c in chunks)
         input_ids, batch, sampling = self.build_batch(chunks, all_rows=wide)
-        if self.before_forward is not None:
-            self.before_forward(input_ids, batch)
-        logits = self.forward(input_ids, batch)
-        if wide:  # hand each wide chunk its rows, keep each chunk's last row
-            last, r = [], 0
+        logits = self.forward(input_ids, batch) if state is None else self.forward(input_ids, batch, state)
+        if wide:  # hand each wide chunk its rows; every chunk keeps its usual rows
+            own: list[list[int]] = []
+            r = 0
             for c in chunks:
-                n = c.length if self._all_rows(c) else 1
-                if self._all_rows(c):
-                    self.on_prompt_rows(c.seq, c.start, logits[r:r + n])  # type: ignore[misc]
+                per_c, every = 1 + len(c.draft), self._all_rows(c)
+                n = c.length if every else per_c
+                if every and self.on_prompt_rows is not None:
+                    self.on_prompt_rows(c.seq, c.start, logits[r:r + n])
                 r += n
-                last.append(r - 1)
-            logits = logits.index_select(0, torch.tensor(last, dtype=torch.int64, device=logits.device))
+                own.append(list(range(r - per_c, r)))
+            rows = [k for i in sampling for k in own[i]]
+            return logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)), sampling
         if len(sampling) != len(chunks):
-            logits = logits.index_select(0, torch.tensor(sampling, dtype=torch.int64, device=logits.device))
-        return logits.float(), sampling
+            per = [1 + len(c.draft) for c in chunks]
+            first = list(itertools.accumulate(per, initial=0))
+            keep = [first[i] + j for i in sampling for j in range(per[i])]
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+        return logits, sampling

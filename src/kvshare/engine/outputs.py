@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from kvshare.engine.sequence import RequestMetrics, Sequence
 
 
-@dataclass
 class RequestOutput:
     """A request's state after a step (cumulative; ``new_token_ids`` are this step's tokens only).
 
@@ -18,43 +17,82 @@ class RequestOutput:
     ``logprobs.py``) when the request asked for them: ``logprobs`` of the chosen tokens,
     ``top_logprobs`` (one {id: logprob} dict of the k most likely per output token, empty for k = 0),
     ``prompt_logprobs`` (None first, then per prompt token) and ``prompt_top_logprobs`` alike.
+
+    Cost per step independent of the request's history: `of` copies nothing that grows.
+    ``prompt_token_ids`` is the request's own list (never mutated after admission); ``token_ids``,
+    ``logprobs`` and ``top_logprobs`` are the first n entries of the request's append-only lists,
+    materialised (and cached) when first read, so a step's outputs cost only their new tokens unless
+    a caller reads the cumulative lists. Entries before n never change, so a later read (another
+    thread, a later step) sees this step's values.
     """
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None
-    metrics: RequestMetrics
-    error: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (not computed) at admission
-    top_logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[dict[int, float] | None] | None = None
-    stop_reason: int | str | None = None
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
+                 token_ids: list[int] | _Prefix, new_token_ids: list[int], finished: bool,
+                 finish_reason: str | None, logprobs: list[float] | _Prefix | None, metrics: RequestMetrics,
+                 error: str | None = None, num_cached_tokens: int = 0,
+                 top_logprobs: list[dict[int, float]] | _Prefix | None = None,
+                 prompt_logprobs: list[float | None] | None = None,
+                 prompt_top_logprobs: list[dict[int, float] | None] | None = None,
+                 stop_reason: int | str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.text = text
+        self._token_ids = token_ids
+        self.new_token_ids = new_token_ids
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self._logprobs = logprobs
+        self.metrics = metrics
+        self.error = error
+        self.num_cached_tokens = num_cached_tokens  # prompt tokens served by the prefix cache at admission
+        self._top_logprobs = top_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.prompt_top_logprobs = prompt_top_logprobs
+        self.stop_reason = stop_reason
+
+    @property
+    def token_ids(self) -> list[int]:
+        if isinstance(self._token_ids, _Prefix):
+            self._token_ids = self._token_ids.materialise()
+        return self._token_ids
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        if isinstance(self._logprobs, _Prefix):
+            self._logprobs = self._logprobs.materialise()
+        return self._logprobs
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        if isinstance(self._top_logprobs, _Prefix):
+            self._top_logprobs = self._top_logprobs.materialise()
+        return self._top_logprobs
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r}, error={self.error!r})")
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
+        n = len(seq.output_token_ids)
+        prompt_lps = _prompt_lps(seq)
         return cls(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=seq.prompt_token_ids,
             text=seq.output_text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=_Prefix(seq.output_token_ids, n),
             new_token_ids=list(seq.new_token_ids),
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.output_logprobs) if seq.params.num_logprobs is not None else None,
+            logprobs=_Prefix(seq.output_logprobs, n) if seq.params.num_logprobs is not None else None,
             metrics=seq.metrics,
             error=seq.error,
             num_cached_tokens=seq.num_cached_tokens or 0,
-            top_logprobs=list(seq.output_top_logprobs) if seq.params.num_logprobs is not None else None,
-            prompt_logprobs=_prompt_lps(seq),
-            prompt_top_logprobs=list(seq.prompt_top_logprobs) if _prompt_lps(seq) is not None else None,  # type: ignore[arg-type]
+            top_logprobs=_Prefix(seq.output_top_logprobs, n) if seq.params.num_logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if prompt_lps is not None else None,  # type: ignore[arg-type]
             stop_reason=seq.stop_reason,
         )
 
@@ -66,6 +104,18 @@ def _prompt_lps(seq: Sequence) -> list[float | None] | None:
     if seq.num_computed < len(seq.prompt_token_ids) and not seq.is_finished:
         return None
     return list(seq.prompt_logprobs)
+
+
+class _Prefix:
+    """The first `n` entries of an append-only list, copied only when asked for."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list, n: int) -> None:
+        self.items, self.n = items, n
+
+    def materialise(self) -> list:
+        return self.items[:self.n]
 
 
 @dataclass

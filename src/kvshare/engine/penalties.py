@@ -8,8 +8,11 @@ output:
   else ``logit * r`` (so ``r > 1`` always makes a seen token less likely);
 * then ``logit -= frequency_penalty * c[v] + presence_penalty * (c[v] > 0)``.
 
-Counting is one batched scatter-add of the concatenated token ids of every penalised row (no
-Python loop over the vocabulary); rows without penalties are not touched.
+`apply_penalties` counts from the histories (one batched scatter-add of the concatenated ids);
+the engine's Sampler keeps `PenaltyCounts` instead: per request, the prompt's token set (counted
+once) and the output's counts, brought up to date with only the tokens appended since the last
+step, so a step's penalty work does not grow with the request's history. Rows without
+penalties are not touched.
 """
 
 from __future__ import annotations
@@ -42,13 +45,59 @@ def apply_penalties(logits: torch.Tensor, histories: list[History], repetition: 
     `repetition`, `frequency`, `presence`: float32 [N]. Token ids must lie in [0, vocab).
     """
     n, vocab = logits.shape
-    if not (len(histories) == repetition.numel() == frequency.numel() == presence.numel() == n):
-        raise ValueError(f"apply_penalties: {n} rows but {len(histories)} histories and "
-                         f"{repetition.numel()}/{frequency.numel()}/{presence.numel()} penalty values")
+    if len(histories) != n:
+        raise ValueError(f"apply_penalties: {n} rows but {len(histories)} histories")
     out_counts = _scatter_counts([h[1] for h in histories], vocab, logits.device)
+    in_prompt = _scatter_counts([h[0] for h in histories], vocab, logits.device) > 0
+    return penalise(logits, out_counts, in_prompt, repetition, frequency, presence)
+
+
+def penalise(logits: torch.Tensor, out_counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
+             frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """The formulas (module doc) given each row's output counts [N, vocab] and prompt set [N, vocab]."""
+    n = logits.shape[0]
+    if not (out_counts.shape[0] == in_prompt.shape[0] == repetition.numel() == frequency.numel()
+            == presence.numel() == n):
+        raise ValueError(f"apply_penalties: {n} rows but {out_counts.shape[0]} histories and "
+                         f"{repetition.numel()}/{frequency.numel()}/{presence.numel()} penalty values")
     out = logits
     if bool((repetition != 1).any()):
-        seen = (_scatter_counts([h[0] for h in histories], vocab, logits.device) + out_counts) > 0
+        seen = in_prompt | (out_counts > 0)
         r = repetition[:, None]
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
     return out - frequency[:, None] * out_counts - presence[:, None] * (out_counts > 0).to(out.dtype)
+
+
+class PenaltyCounts:
+    """Per-request penalty state, updated incrementally (module doc).
+
+    Invariant: for a request id, ``out[v]`` counts ``v`` in the first ``n`` output ids of the
+    (prompt, output) lists it was last given, and ``in_prompt`` is that prompt's token set. A
+    request's output list only grows, so bringing the counts up to date reads only the new ids; a
+    history whose lists are not the ones counted (another request under a reused id) is recounted.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[str, tuple[Sequence[int], Sequence[int], int, torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, request_ids: list[str], histories: list[History], vocab: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output counts [N, vocab] float32, prompt set [N, vocab] bool) of the given requests."""
+        outs, prompts = [], []
+        for rid, (prompt, output) in zip(request_ids, histories):
+            st = self._state.get(rid)
+            if st is None or st[0] is not prompt or st[1] is not output or st[2] > len(output) \
+                    or st[3].shape[0] != vocab or st[3].device != device:
+                st = (prompt, output, 0, torch.zeros(vocab, dtype=torch.float32, device=device),
+                      _scatter_counts([prompt], vocab, device)[0] > 0)
+            prompt_, output_, n, out, in_prompt = st
+            if len(output) > n:
+                new = torch.tensor(list(output[n:]), dtype=torch.int64, device=device)
+                out.index_put_((new,), torch.ones(new.numel(), dtype=torch.float32, device=device), accumulate=True)
+            self._state[rid] = (prompt_, output_, len(output), out, in_prompt)
+            outs.append(out)
+            prompts.append(in_prompt)
+        return torch.stack(outs), torch.stack(prompts)
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)

@@ -1,5 +1,10 @@
 """The engine's side of prefix caching: admission hits, block registration, checkpoint capture.
 
+One observer of the step pipeline: the scheduler calls ``lookup`` / ``adopt`` at admission and
+``on_release`` when a sequence leaves the running set, the executor enters ``on_forward`` around
+each forward, and the engine calls ``on_commit`` after the step's tokens are committed. With
+prefix caching off the engine holds `NoPrefixCaching`, the same interface doing nothing.
+
 Per request:
 
 * Admission (``lookup`` then ``adopt``): the prompt's full blocks are hashed (salted), matched with
@@ -8,9 +13,8 @@ Per request:
   takes the blocks of ``[0, H)`` (one reference each), its rings get the checkpoint's rows, and the
   scheduler computes ``[H, n)``. When blocks match deeper than any checkpoint, that depth is a
   *junction* (a prefix other requests share): this request captures a checkpoint there.
-* Each step (``capturing`` around each forward, or ``start_capture`` / ``finish_capture`` around
-  the speculative verify forward, then ``end_step``): a sequence whose chunk crosses a
-  block boundary captures
+* Each step (``on_forward`` around each forward, then ``on_commit``): a sequence whose chunk
+  crosses a block boundary captures
   the ring rows at its deepest boundary in the chunk (and at its junction); afterwards the newly
   full blocks are registered and the capture is staged. Only committed, computed tokens count:
   a capture at H is kept only if H is at most ``num_computed`` after the step and at most the
@@ -25,27 +29,54 @@ rings (for example an n-gram history, which the token ids ``[0, H)`` rebuild).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
 from kvshare.cache.blocks import BlockManager
-from kvshare.cache.checkpoint import BoundaryCapture, restore
+from kvshare.cache.checkpoint import BoundaryCapture
 from kvshare.cache.layout import CacheLayout
 from kvshare.cache.pool import BlockPool
 from kvshare.cache.prefix import Checkpoint, Match, PrefixCache, prefix_key
-from kvshare.engine.scheduler import ScheduledChunk
+from kvshare.engine.outputs import EngineStats
 from kvshare.engine.sequence import Sequence
+from kvshare.engine.step_plan import ScheduledChunk
+
+# (slot, boundary, checkpoint rings): puts a hit's ring rows back (the executor's ``restore``)
+Restore = Callable[[int, int, dict], None]
+
+
+class NoPrefixCaching:
+    """Prefix caching off: no hits, no captures, nothing to register."""
+
+    def lookup(self, seq: Sequence) -> None:
+        return None
+
+    def adopt(self, seq: Sequence, m: Match) -> None:
+        raise RuntimeError("prefix caching is off: there is no hit to adopt")
+
+    def on_forward(self, chunks: list[ScheduledChunk]) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def on_commit(self, chunks: list[ScheduledChunk], final: bool = True) -> None:
+        pass
+
+    def on_release(self, seq: Sequence) -> None:
+        pass
+
+    def report(self, stats: EngineStats, blocks: BlockManager) -> None:
+        pass
 
 
 class PrefixCaching:
     def __init__(self, layout: CacheLayout, pool: BlockPool, blocks: BlockManager, backend: Any,
-                 checkpoint_budget: int, model_id: str, dtype: torch.dtype) -> None:
+                 checkpoint_budget: int, model_id: str, dtype: torch.dtype, restore: Restore) -> None:
         cfg = layout.cfg
         key = prefix_key("kvshare-prefix-v1", model_id, repr(cfg), layout.layout_id, layout.window_format.label,
                          str(dtype), layout.block_size, cfg.sliding_window)
         self.cache = PrefixCache(layout.block_size, key, checkpoint_budget)
-        self.pool, self.blocks, self.backend = pool, blocks, backend
+        self.pool, self.blocks, self.backend, self.restore = pool, blocks, backend, restore
         self.block_size = layout.block_size
         self.ratio_of = {p.layer: p.ratio for p in layout.topo.layers}
         blocks.allocator.is_cached = self.cache.is_cached
@@ -86,25 +117,22 @@ class PrefixCaching:
         self.blocks.adopt(seq.slot, m.blocks)
         seq.num_computed = m.boundary
         seq.num_registered = m.boundary // self.block_size
-        with torch.inference_mode():
-            restore(self.pool, seq.slot, m.boundary, m.checkpoint.rings)
+        self.restore(seq.slot, m.boundary, m.checkpoint.rings)
         for hook in self.restore_hooks:
             hook(seq, m.boundary)
 
     # ---- steps ----------------------------------------------------------------------------------
-    def capturing(self, run: Callable[[list[ScheduledChunk]], Any]) -> Callable[[list[ScheduledChunk]], Any]:
-        """Wrap ``ModelRunner.run`` so that each forward (a step may run its chunks in several groups,
-        engine/isolation.py) captures its own targets; a forward that raises leaves no capture."""
-        def run_capturing(group: list[ScheduledChunk]) -> Any:
-            self.start_capture(group)
-            ok = False
-            try:
-                out = run(group)
-                ok = True
-            finally:
-                self.finish_capture(group, ok)
-            return out
-        return run_capturing
+    @contextlib.contextmanager
+    def on_forward(self, group: list[ScheduledChunk]) -> Iterator[None]:
+        """Around one forward (a step may run its chunks in several groups, engine/isolation.py):
+        capture its own targets; a forward that raises leaves no capture."""
+        self.start_capture(group)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.finish_capture(group, ok)
 
     def start_capture(self, group: list[ScheduledChunk]) -> None:
         """Arm the backend for one forward over `group` (drafted tokens included)."""
@@ -126,11 +154,11 @@ class PrefixCaching:
         b = self.block_size
         out = []
         for i, c in enumerate(chunks):
-            s, e = c.start, c.start + c.length + len(getattr(c, "draft", None) or ())
+            s, e = c.start, c.start + c.num_rows
             out.extend((i, h) for h in sorted({e // b * b, c.seq.prefix_junction}) if s < h <= e)
         return out
 
-    def end_step(self, chunks: list[ScheduledChunk], final: bool = True) -> None:
+    def on_commit(self, chunks: list[ScheduledChunk], final: bool = True) -> None:
         """After the step's forwards (``num_computed`` updated for the chunks that ran): register
         full blocks, stage captures, commit junctions and prompt ends. With ``final=False`` a capture
         whose boundary lies in accepted drafts not yet appended to the token ids waits for the next
@@ -194,3 +222,12 @@ class PrefixCaching:
         seq.staged_checkpoint = None
         seq.num_registered = 0
         seq.prefix_junction = 0
+
+    def report(self, stats: EngineStats, blocks: BlockManager) -> None:
+        """Fill the prefix-cache fields of `stats`."""
+        c = self.cache
+        stats.prefix_cache_queried_tokens = c.stats.queried_tokens
+        stats.prefix_cache_hit_tokens = c.stats.hit_tokens
+        stats.prefix_cache_checkpoint_bytes = c.checkpoint_bytes
+        stats.prefix_cache_checkpoints = len(c.checkpoints)
+        stats.prefix_cache_evictable_blocks = blocks.allocator.num_evictable

@@ -28,7 +28,7 @@ import torch
 from kvshare.engine.logits_processors import apply_processors
 from kvshare.engine.logprobs import MAX_LOGPROBS, num_logprobs
 from kvshare.engine.param_ranges import check_ranges
-from kvshare.engine.penalties import History, apply_penalties
+from kvshare.engine.penalties import History, PenaltyCounts, penalise
 from kvshare.errors import RequestError
 
 MAX_LOGIT_BIAS = 4096  # entries per request (vLLM does not bound it; OpenAI allows 300)
@@ -152,6 +152,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seq_generators: dict[str, torch.Generator] = {}
+        self.penalty_counts = PenaltyCounts()  # per-request, incremental (penalties.py)
         self.eos_ids: frozenset[int] = frozenset()  # masked by min_tokens (the engine sets them)
         # Structured output: request ids -> per row a boolean [V] mask of allowed ids or None (engine sets it).
         self.masks_for: Callable[[list[str]], list[torch.Tensor | None]] | None = None
@@ -166,6 +167,7 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._seq_generators.pop(request_id, None)
+        self.penalty_counts.forget(request_id)
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
@@ -182,7 +184,7 @@ class Sampler:
         out_lens = [len(h[1]) for h in histories] if histories is not None else [0] * n
         masks = self.masks_for(request_ids) if self.masks_for is not None else None
         logits = apply_processors(raw, params, out_lens, self.eos_ids, masks)
-        logits = self._penalised(logits, params, histories)
+        logits = self._penalised(logits, params, request_ids, histories)
         tokens = logits.argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand:
@@ -210,8 +212,7 @@ class Sampler:
         logprobs = raw.gather(1, tokens[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
         return tokens, logprobs
 
-    @staticmethod
-    def _penalised(logits: torch.Tensor, params: list[SamplingParams],
+    def _penalised(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
                    histories: list[History] | None) -> torch.Tensor:
         """`logits` with each penalised row's penalties applied (the same tensor when no row has any)."""
         rows = [i for i, p in enumerate(params) if p.has_penalties]
@@ -225,8 +226,10 @@ class Sampler:
         def vec(name: str) -> torch.Tensor:
             return torch.tensor([getattr(params[i], name) for i in rows], dtype=torch.float32, device=dev)
 
-        sub = apply_penalties(logits.index_select(0, idx), [histories[i] for i in rows],
-                              vec("repetition_penalty"), vec("frequency_penalty"), vec("presence_penalty"))
+        out_counts, in_prompt = self.penalty_counts.rows([request_ids[i] for i in rows], [histories[i] for i in rows],
+                                                         logits.shape[1], dev)
+        sub = penalise(logits.index_select(0, idx), out_counts, in_prompt,
+                       vec("repetition_penalty"), vec("frequency_penalty"), vec("presence_penalty"))
         return logits.index_copy(0, idx, sub)
 
 

@@ -23,51 +23,25 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 from kvshare.cache.blocks import BlockManager
+from kvshare.engine.prefix_caching import NoPrefixCaching
 from kvshare.engine.sequence import Sequence, SequenceStatus
+from kvshare.engine.step_plan import ScheduledChunk, StepPlan
+
+__all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "SchedulerOutput"]
 
 
-@dataclass
-class ScheduledChunk:
-    """Tokens ``[start, start + length)`` of `seq`, then `draft` (speculative tokens to verify, not
-    part of the sequence; ``length`` does not count them)."""
-
-    seq: Sequence
-    start: int
-    length: int
-    draft: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token (and so yields a new token)."""
-        return self.start + self.length == self.seq.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_slice(self.start, self.start + self.length) + self.draft
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+# The plan's types live in step_plan.py; ``SchedulerOutput`` is the plan's former name.
+SchedulerOutput = StepPlan
 
 
 class Scheduler:
     """Owns the waiting queue and the running list; allocates blocks and slots through BlockManager."""
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, prefix: Any = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = blocks
@@ -77,7 +51,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival_order
         self.running: list[Sequence] = []  # sorted by arrival_order
         self.num_preemptions = 0
-        self.prefix = None  # engine/prefix_caching.PrefixCaching when prefix caching is on
+        # engine/prefix_caching.PrefixCaching, or its null object when prefix caching is off
+        self.prefix = prefix if prefix is not None else NoPrefixCaching()
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -103,8 +78,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
-            if self.prefix is not None:
-                self.prefix.on_release(seq)  # checkpoint while the blocks are still held
+            self.prefix.on_release(seq)  # checkpoint while the blocks are still held
             self.blocks.release(seq.slot)
             seq.slot = None
 
@@ -127,8 +101,8 @@ class Scheduler:
         cap = (have + free) * self.blocks.block_size - seq.num_computed
         return max(0, min(want, cap))
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -153,7 +127,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in out.preempted:
                 break  # do not readmit a victim in the step that evicted it
-            hit = self.prefix.lookup(seq) if self.prefix is not None else None
+            hit = self.prefix.lookup(seq)
             todo = seq.num_tokens - (hit.boundary if hit is not None else 0)
             want = min(todo, budget)
             if not self.chunked_prefill and want < todo:

@@ -24,7 +24,7 @@ import torch
 
 from typing import Any
 
-from kvshare.engine.penalties import apply_penalties
+from kvshare.engine.penalties import PenaltyCounts, penalise
 from kvshare.engine.sampling import Sampler, SamplingParams, _top_k_top_p
 
 
@@ -45,24 +45,36 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.softmax(_top_k_top_p(x, top_k, per_row([p.top_p for p in params])), dim=-1).view(n, r, v)
 
 
-def penalised_rows(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Any]) -> torch.Tensor:
+def penalised_rows(logits: torch.Tensor, drafts: list[list[int]], seqs: list[Any],
+                   counts: PenaltyCounts | None = None) -> torch.Tensor:
     """`logits` [N, K+1, V] with each penalised request's penalties applied row by row: row j is
     penalised with the history (prompt, output + drafts[:j]). Requests without penalties keep their
-    rows as they are (the same tensor when no request has any)."""
+    rows as they are (the same tensor when no request has any). `counts`: the sampler's incremental
+    per-request counts (a fresh count of the histories when None); the drafts are added on top."""
     n, r, v = logits.shape
     pen = [i for i, s in enumerate(seqs) if s.params.has_penalties]
     if not pen:
         return logits
-    hist = [(seqs[i].prompt_token_ids, [*seqs[i].output_token_ids, *drafts[i][:j]]) for i in pen for j in range(r)]
+    dev = logits.device
+    counts = counts if counts is not None else PenaltyCounts()
+    base, in_prompt = counts.rows([getattr(seqs[i], "request_id", str(i)) for i in pen],
+                                  [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in pen], v, dev)
+    # row j adds drafts[:j]: a running sum of one-hot drafts, shifted by one row
+    d = torch.tensor([(drafts[i] + [0] * r)[:r - 1] for i in pen], dtype=torch.int64, device=dev)  # [P, r-1]
+    live = torch.tensor([[j < len(drafts[i]) for j in range(r - 1)] for i in pen], device=dev)
+    oh = torch.nn.functional.one_hot(d, v).to(torch.float32) * live[..., None]
+    extra = torch.cat([torch.zeros(len(pen), 1, v, device=dev), oh.cumsum(1)], dim=1)  # [P, r, V]
+    out_counts = (base[:, None, :] + extra).reshape(-1, v)
+    prompt_rows = in_prompt[:, None, :].expand(-1, r, -1).reshape(-1, v)
 
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(seqs[i].params, name) for i in pen for _ in range(r)], dtype=torch.float32,
-                            device=logits.device)
+                            device=dev)
 
     flat = logits.reshape(n * r, v)
-    idx = torch.tensor([i * r + j for i in pen for j in range(r)], dtype=torch.int64, device=logits.device)
-    sub = apply_penalties(flat.index_select(0, idx), hist, per_row("repetition_penalty"),
-                          per_row("frequency_penalty"), per_row("presence_penalty"))
+    idx = torch.tensor([i * r + j for i in pen for j in range(r)], dtype=torch.int64, device=dev)
+    sub = penalise(flat.index_select(0, idx), out_counts, prompt_rows, per_row("repetition_penalty"),
+                   per_row("frequency_penalty"), per_row("presence_penalty"))
     return flat.index_copy(0, idx, sub.to(flat.dtype)).view(n, r, v)
 
 

@@ -1,6 +1,7 @@
 """DSpark speculative decoding inside the continuous-batching engine (spec engram_dspark.md §2.10).
 
-One ``step(sched)`` replaces the engine's forward + sample for every scheduled chunk:
+The `Speculator` is the engine's `Proposer` and its `Acceptor`'s verifier; the engine's step
+(engine.py) runs, per isolation group:
 
 1. **Propose.** Decode chunks (one uncomputed token, the anchor, already generated) of requests
    that may speculate get up to K drafts: one batched draft forward of all their blocks, then the
@@ -24,61 +25,82 @@ while every committed row a later step reads is written; rejected compressed row
 before any query can select them (a query reads only completed groups). Draft windows are
 written for committed positions only. Per-request state of other features advances through the
 ``on_commit`` hooks, called with the committed token count of every chunk.
+
+The speculator computes nothing on the model itself: the draft forward and the draft-window writes
+go through the `Executor` (so a tensor-parallel executor replays them on every rank), and it reads
+only what it is given (block manager, sampler, statistics), not the engine.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, Callable
 
 import torch
 
-from kvshare.engine.outputs import RequestOutput
-from kvshare.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvshare.cache.blocks import BlockManager
+from kvshare.engine.acceptor import Accepted, Acceptance
+from kvshare.engine.executor import Executor, Forward
+from kvshare.engine.isolation import per_row
+from kvshare.engine.sampling import Sampler
 from kvshare.engine.sequence import Sequence
 from kvshare.engine.logits_processors import processed_rows
 from kvshare.engine.spec_accept import draft_choice, penalised_rows, verify
 from kvshare.engine.spec_config import SpeculativeConfig
-from kvshare.model.dspark import DSparkDraft
-from kvshare.runtime import StepState
+from kvshare.engine.step_plan import ScheduledChunk
 
-log = logging.getLogger(__name__)
+
+class NoProposer:
+    """The plain engine's proposer: no drafts, no taps, nothing to commit."""
+
+    taps: tuple[int, ...] = ()
+    on_commit: list[Callable[[list[Sequence], list[int]], None]] = []
+
+    def propose(self, chunks: list[ScheduledChunk], budget: list[int]) -> None:
+        pass
+
+    def after_accept(self, committed: list[int]) -> None:
+        pass
+
+    def observe(self, seq: Sequence, accepted: Accepted) -> None:
+        pass
 
 
 class Speculator:
-    """Drafts, verifies and commits for one LLMEngine (built when speculative_config is set)."""
+    """DSpark drafts (proposer) and their verification (the acceptor's verifier) for one engine."""
 
-    def __init__(self, engine: Any, config: SpeculativeConfig) -> None:
-        self.engine = engine
+    def __init__(self, executor: Executor, sampler: Sampler, config: SpeculativeConfig, blocks: BlockManager,
+                 max_model_len: int, stats: dict[str, float], structured: Any = None) -> None:
+        self.executor = executor
+        self.structured = structured  # engine/structured.StructuredOutputs: masks of verification rows
+        self.sampler = sampler
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.stats = stats  # the engine's EngineStats.extra
         self.config = config
-        self.k = config.num_tokens(engine.cfg)
-        self.draft = DSparkDraft(engine.model)
-        self.windows = self.draft.windows(engine.backend)
+        self.draft = executor.draft_model
+        self.windows = executor.windows
+        self.k = config.num_tokens(self.draft.cfg)
+        self.taps = tuple(self.draft.targets)
         # Test / benchmark hook: (sequence, K) -> K draft tokens replacing the DSpark proposal.
         self.draft_override: Callable[[Sequence, int], list[int]] | None = None
         # Per-request state of other features (e.g. n-gram history): (sequences, committed counts).
         self.on_commit: list[Callable[[list[Sequence], list[int]], None]] = []
         self.record_logits: dict[str, torch.Tensor] | None = None  # test hook: the row behind each anchor
         self.acceptance_counts = [0] * (self.k + 1)  # verifies that accepted j drafts, j = 0..K
+        self._q: dict[int, torch.Tensor] = {}  # id(chunk) -> its drafts' distributions [K_i, V]
 
     # ---- 1. propose -------------------------------------------------------------------------------
-    @staticmethod
-    def _is_decode(c: ScheduledChunk) -> bool:
-        return c.samples and c.length == 1 and c.start >= len(c.seq.prompt_token_ids)
-
     def _budget(self, chunks: list[ScheduledChunk], left: list[int]) -> list[tuple[int, int]]:
         """(chunk index, K_i >= 1) of the chunks that speculate; allocates their blocks. `left[0]`:
         the step's token budget still free (drafts spend it)."""
-        eng = self.engine
-        blocks = eng.blocks
+        blocks = self.blocks
         out = []
         for i, c in enumerate(chunks):
-            if left[0] <= 0 or not self._is_decode(c):
+            if left[0] <= 0 or not c.is_decode:
                 continue
             seq = c.seq
             n = min(self.k, seq.params.max_tokens - len(seq.output_token_ids) - 1, left[0],
-                    eng.max_model_len - seq.num_tokens)
+                    self.max_model_len - seq.num_tokens)
             have = len(blocks.block_ids[seq.slot])
             n = min(n, (have + blocks.allocator.num_free) * blocks.block_size - seq.num_tokens)
             if n >= 1:
@@ -87,163 +109,95 @@ class Speculator:
                 left[0] -= n
         return out
 
+    def propose(self, chunks: list[ScheduledChunk], budget: list[int]) -> None:
+        """Give each decode chunk that may speculate its drafts (`chunk.draft`)."""
+        self._q.clear()
+        picked = self._budget(chunks, budget)
+        if not picked:
+            return
+        drafts, q = self._propose([chunks[i].seq for i, _ in picked], [k for _, k in picked])
+        for n, ((i, k), d) in enumerate(zip(picked, drafts)):
+            chunks[i].draft = d
+            if q is not None:
+                self._q[id(chunks[i])] = q[n, :k]
+
+    @torch.inference_mode()
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Drafts per sequence (K_i each) and their distributions q [N, K, V] (None: deterministic)."""
         if self.draft_override is not None:
             return [list(self.draft_override(s, k))[:k] for s, k in zip(seqs, ks)], None
-        dev = self.engine.device
+        dev = self.executor.pool.device
         anchors = torch.tensor([s.output_token_ids[-1] for s in seqs], device=dev)
         pos = torch.tensor([s.num_computed for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
-        u, x_head = self.draft.block_forward(self.windows, anchors, pos, slots)
+        u, x_head = self.executor.draft(anchors, pos, slots)
         params, ids = [s.params for s in seqs], [s.request_id for s in seqs]
         prev, toks, qs, conf = anchors, [], [], []
         for j in range(max(ks)):  # the Markov loop: sequential in j, batched over sequences
             bias, m = self.draft.markov_bias(prev)
             conf.append(self.draft.confidence(x_head[:, j], m))
-            prev, q = draft_choice(u[:, j] + bias, params, ids, self.engine.sampler)
+            prev, q = draft_choice(u[:, j] + bias, params, ids, self.sampler)
             toks.append(prev)
             qs.append(q)
         # The confidence head feeds statistics only (no adaptive trimming): its mean over drafted rows.
         drafted = torch.arange(len(conf), device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None]
-        st = self.engine._stats.extra
+        st = self.stats
         st["spec_confidence_sum"] = st.get("spec_confidence_sum", 0.0) + float(torch.stack(conf, 1)[drafted].sum())
         drafts = torch.stack(toks, 1).tolist()
         q_all = None if any(q is None for q in qs) else torch.stack(qs, 1)  # type: ignore[misc]
         return [d[:k] for d, k in zip(drafts, ks)], q_all
 
-    # ---- 2-4. verify and commit -----------------------------------------------------------------------
-    def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """One engine step: the step's outputs. Per-request failure isolation as in the plain path
-        (`engine/isolation.py`): a failing batch is requeued and its requests marked suspect; a
-        suspect runs alone next time, and fails alone (finish_reason "error") if it fails again."""
-        eng = self.engine
-        suspects = eng._suspects
-        clean = [c for c in sched.chunks if c.seq.request_id not in suspects]
-        groups = ([clean] if clean else []) + [[c] for c in sched.chunks if c.seq.request_id in suspects]
-        left = [eng.scheduler.max_num_batched_tokens - sched.num_tokens]
-        outputs: list[RequestOutput] = []
-        for group in groups:
-            try:
-                outputs += self._step_group(group, left)
-            except Exception as e:  # noqa: BLE001 - contained to this group, as in run_isolated
-                if len(group) == 1:
-                    suspects.discard(group[0].seq.request_id)
-                    eng._fail(group[0].seq, e, outputs)
-                else:
-                    log.warning("a speculative step of %d requests failed (%s: %s); rerunning them one by one",
-                                len(group), type(e).__name__, e)
-                    for c in group:
-                        eng.scheduler.requeue(c.seq)
-                    suspects.update(c.seq.request_id for c in group)
-                continue
-            if len(group) == 1:
-                suspects.discard(group[0].seq.request_id)
-        return outputs
+    # ---- 3. verify --------------------------------------------------------------------------------
+    def verify(self, fwd: Forward, drafted: list[int], first_row: list[int]) -> Acceptance:
+        """Accepted drafts + bonus of each drafted chunk (indices `drafted`; its logits rows start at
+        `first_row`); a row whose verification raises fails alone."""
+        results = per_row(lambda sub: self._verify(fwd, [drafted[j] for j in sub], [first_row[j] for j in sub]),
+                          len(drafted))
+        return dict(zip(drafted, results))
 
     @torch.inference_mode()
-    def _step_group(self, chunks: list[ScheduledChunk], left: list[int]) -> list[RequestOutput]:
-        """Propose, verify in one forward, accept, commit (module doc) for one group of chunks."""
-        eng = self.engine
-        picked = self._budget(chunks, left)
-        q = None
-        if picked:
-            drafts, q = self._propose([chunks[i].seq for i, _ in picked], [k for _, k in picked])
-            for (i, _), d in zip(picked, drafts):
-                chunks[i].draft = d
-        input_ids, batch, _ = eng.runner.build_batch(chunks)
-        state = StepState(taps={t: None for t in self.draft.targets})
-        if eng.prefix is not None:  # prefix caching: ring rows at block boundaries (engine/prefix_caching.py)
-            eng.prefix.start_capture(chunks)
-        ok = False
-        try:
-            logits = eng.model(input_ids, batch, eng.backend, state)
-            ok = True
-        finally:
-            eng.backend.end_step()
-            if eng.prefix is not None:
-                eng.prefix.finish_capture(chunks, ok)
-        ends = torch.cumsum(torch.tensor([1 + len(c.draft) for c in chunks]), 0).tolist()  # logit rows
-        committed = [c.length for c in chunks]
-        new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]] = {}
-        plain = [i for i, c in enumerate(chunks) if c.samples and not c.draft]
-        if plain:
-            rows = torch.tensor([ends[i] - 1 for i in plain])
-            seqs = [chunks[i].seq for i in plain]
-            toks, lps = eng.sampler(logits[rows].float(), [s.params for s in seqs], [s.request_id for s in seqs],
-                                    [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
-            for i, t, lp, r in zip(plain, toks.tolist(), lps.tolist(), rows.tolist()):
-                new_tokens[i] = ([t], [lp], logits[r:r + 1])
-        if picked:
-            for i, (toks, lps, row) in self._accept(chunks, picked, logits, ends, q).items():
-                new_tokens[i] = (toks, lps, row)
-                committed[i] += len(toks) - 1
-        return self._commit(chunks, committed, state.taps, batch, new_tokens)
-
-    def _accept(self, chunks: list[ScheduledChunk], picked: list[tuple[int, int]], logits: torch.Tensor,
-                ends: list[int], q: torch.Tensor | None) -> dict[int, tuple[list[int], list[float], torch.Tensor]]:
-        """Verify the drafted chunks: chunk index -> (accepted drafts + bonus, their logprobs, the
-        logits rows behind them); updates the acceptance statistics."""
-        eng, dev = self.engine, logits.device
-        idx = [i for i, _ in picked]
-        k_max = max(k for _, k in picked)
-        rows = torch.tensor([[min(ends[i] - 1 - k + j, ends[i] - 1) for j in range(k_max + 1)] for i, k in picked],
-                            device=dev)
+    def _verify(self, fwd: Forward, idx: list[int], first_row: list[int]) -> list[Accepted]:
+        chunks, logits, dev = fwd.chunks, fwd.logits, fwd.logits.device
+        ks = [len(chunks[i].draft) for i in idx]
+        k_max = max(ks)
+        rows = torch.tensor([[f + min(j, k) for j in range(k_max + 1)] for f, k in zip(first_row, ks)], device=dev)
         d = torch.tensor([chunks[i].draft + [-1] * (k_max - len(chunks[i].draft)) for i in idx], device=dev)
         seqs = [chunks[i].seq for i in idx]
+        qs = [self._q.get(id(chunks[i])) for i in idx]
+        q = None
+        if all(x is not None for x in qs):
+            q = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, k_max - x.shape[0])) for x in qs])  # type: ignore
         drafts = [chunks[i].draft for i in idx]
-        masks = eng.structured.draft_masks([s.request_id for s in seqs], drafts, k_max + 1)
-        verified = penalised_rows(processed_rows(logits[rows], seqs, eng.eos_ids, masks), drafts, seqs)
-        acc, bonus = verify(verified, d, torch.tensor([k for _, k in picked], device=dev),
-                            q[:, :k_max] if q is not None else None, [s.params for s in seqs],
-                            [s.request_id for s in seqs], eng.sampler)
+        masks = (self.structured.draft_masks([s.request_id for s in seqs], drafts, k_max + 1)
+                 if self.structured is not None else None)
+        verified = penalised_rows(processed_rows(logits[rows], seqs, self.sampler.eos_ids, masks), drafts, seqs,
+                                  self.sampler.penalty_counts)
+        acc, bonus = verify(verified, d, torch.tensor(ks, device=dev), q, [s.params for s in seqs],
+                            [s.request_id for s in seqs], self.sampler)
         lsm = torch.log_softmax(logits.float(), dim=-1)
-        out = {}
+        out = []
         for n, i in enumerate(idx):
             a = int(acc[n])
             toks = chunks[i].draft[:a] + [int(bonus[n])]
             lps = lsm[rows[n, : a + 1], torch.tensor(toks, device=dev)].tolist()
-            out[i] = (toks, lps, logits[rows[n, : a + 1]])
+            out.append(Accepted(toks, lps, logits, first_row[n] + a))  # token j: row first_row[n] + j
             self.acceptance_counts[a] += 1
-        st = eng._stats.extra
-        st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(picked)
-        st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(k for _, k in picked)
+        st = self.stats
+        st["spec_num_verifies"] = st.get("spec_num_verifies", 0) + len(idx)
+        st["spec_draft_tokens"] = st.get("spec_draft_tokens", 0) + sum(ks)
         st["spec_accepted_tokens"] = st.get("spec_accepted_tokens", 0) + int(acc.sum())
         st["spec_mean_accepted_length"] = 1 + st["spec_accepted_tokens"] / st["spec_num_verifies"]
         if "spec_confidence_sum" in st:
             st["spec_mean_draft_confidence"] = st["spec_confidence_sum"] / st["spec_draft_tokens"]
         return out
 
-    def _commit(self, chunks: list[ScheduledChunk], committed: list[int], taps: dict, batch: Any,
-                new_tokens: dict[int, tuple[list[int], list[float], torch.Tensor]]) -> list[RequestOutput]:
-        """Advance every chunk's sequence by its committed tokens (their draft context rows from the
-        taps, blocks past them freed), then append the new tokens in chunk order."""
-        eng = self.engine
-        dev = batch.positions.device
-        n_c = torch.tensor(committed, device=dev)  # each chunk's first rows are its committed ones
-        first = torch.repeat_interleave(batch.cu_seqlens[:-1], n_c)
-        offset = torch.repeat_interleave(torch.cumsum(n_c, 0) - n_c, n_c)
-        rows = first + torch.arange(int(n_c.sum()), device=dev) - offset
-        main_x = self.draft.main_x({t: v[rows] for t, v in taps.items() if v is not None})
-        self.draft.write_context(self.windows, main_x, batch.slots[batch.seq_index[rows]], batch.positions[rows])
-        for c, n in zip(chunks, committed):
-            c.seq.num_computed += n
-            c.seq.new_token_ids = []
-            eng.blocks.shrink(c.seq.slot, c.seq.num_computed)
-        if eng.prefix is not None:  # before the appends: a request finishing below checkpoints at release
-            eng.prefix.end_step(chunks, final=False)
-        for hook in self.on_commit:
-            hook([c.seq for c in chunks], committed)
-        eng._stats.num_steps += 1
-        eng._stats.prompt_tokens += sum(c.length for c in chunks if not self._is_decode(c))
-        outputs = []
-        now = time.perf_counter()
-        for i in sorted(new_tokens):
-            toks, lps, row = new_tokens[i]
-            seq = chunks[i].seq
-            if self.record_logits is not None:
-                self.record_logits[seq.request_id] = row[-1]
-            eng._emit(seq, toks, lps, now, outputs, row)
-        if eng.prefix is not None:  # accepted drafts are token ids now: their blocks and boundaries
-            eng.prefix.end_step(chunks)
-        return outputs
+    # ---- 4. commit --------------------------------------------------------------------------------
+    def after_accept(self, committed: list[int]) -> None:
+        """The draft windows get the context rows of the last forward's committed tokens."""
+        self._q.clear()
+        self.executor.write_draft_context(committed)
+
+    def observe(self, seq: Sequence, accepted: Accepted) -> None:
+        """Keep the logits row behind a request's newest token (test hook `record_logits`)."""
+        if self.record_logits is not None:
+            self.record_logits[seq.request_id] = accepted.row

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvshare.config_engram import engram_primes
+from kvshare.config.engram import engram_primes
 
 log = logging.getLogger(__name__)
 

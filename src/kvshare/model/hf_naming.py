@@ -35,7 +35,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from kvshare.config import ModelConfig
-from kvshare.config_engram import engram_param_shapes
+from kvshare.config.engram import engram_param_shapes
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.topology import Topology
 

@@ -399,7 +399,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     with_weights = weights_dir is not None and has_weights(weights_dir)
     tokenizer = None
     if cfg.engram_layer_ids:
-        from kvshare.config_engram import check_random_tables
+        from kvshare.config.engram import check_random_tables
         from kvshare.tokenizer import load_tokenizer
 
         if not with_weights:

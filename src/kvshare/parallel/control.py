@@ -1,14 +1,17 @@
 """Control plane of a tensor-parallel engine: rank 0 decides, workers replay.
 
-Rank 0 runs the whole `LLMEngine` (scheduler, block manager, sampler). Before each forward it
-broadcasts a `Step`: the flat token ids, the `StepBatch` (positions, slots, block tables, logit
-rows...) and the slot operations since the last step, in the order rank 0 applied them: a slot
-whose rings were zeroed (an int), or a prefix hit's ring restore ``(slot, boundary, rings)`` with
-the checkpoint's rows themselves (rank 0 alone keeps the checkpoint store; the hit's blocks already
-match, since every rank wrote them in the same replayed forwards). A worker holds the same
-replicated cache (an engine built from the same arguments, whose scheduler it never uses), applies
-the slot operations, runs the same forward (the model's collectives pair up with rank 0's) and the
-backend's end-of-step updates. Workers make no decision of their own, so they cannot diverge.
+Rank 0 runs the whole `LLMEngine` (scheduler, block manager, sampler, acceptor, proposer). Its
+executor (parallel/tp_executor.py) broadcasts every executor operation as a `Step` before running
+it: the operation (`Forward`: the plan's chunks in wire form, `WireSequence`s carrying only the
+chunk's ids and the Engram look-back, plus the DSpark tap layers; `Draft`: the drafter's block
+forward; `DraftContext`: the draft-window writes of the last forward's committed rows) and the slot
+operations since the last message, in the order rank 0 applied them: a slot whose rings were
+zeroed (an int), or a prefix hit's ring restore ``(slot, boundary, rings)`` with the checkpoint's
+rows themselves (rank 0 alone keeps the checkpoint store; the hit's blocks already match, since
+every rank wrote them in the same replayed forwards). A worker holds the same replicated cache (an
+engine built from the same arguments, whose scheduler it never uses), applies the slot operations
+and runs the same operation on its own executor (the model's collectives pair up with rank 0's).
+Workers make no decision of their own, so they cannot diverge.
 
 Rank 0 waits inside a step (a send, a forward's collectives) under a `StepWatchdog`: a worker
 that makes no progress (stopped by SIGSTOP, hung in a kernel) would otherwise block rank 0 for
@@ -21,7 +24,6 @@ on rank 0, to check the replicas) and ``"stop"`` (workers leave their loop). Mes
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import threading
 import time
@@ -31,8 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kvshare.cache.checkpoint import restore
-from kvshare.runtime import StepBatch
+from kvshare.engine.executor import Executor
+from kvshare.engine.step_plan import ScheduledChunk
 
 STOP = "stop"
 DIGEST = "digest"
@@ -43,20 +45,51 @@ SlotOp = int | tuple[int, int, dict[tuple[str, int], tuple[int, int, torch.Tenso
 
 
 @dataclass
-class Step:
-    """One forward step as rank 0 scheduled it."""
+class Forward:
+    """`Executor.forward` over `chunks` (wire form) recording `taps`."""
 
-    input_ids: torch.Tensor
-    batch: StepBatch
+    chunks: list[ScheduledChunk]
+    taps: tuple[int, ...]
+
+    def apply(self, ex: Executor) -> None:
+        tables = ex.runner.blocks.tables
+        for c in self.chunks:  # this rank's block table mirrors rank 0's rows of the step's slots
+            ids = c.seq.block_ids
+            tables[c.seq.slot].zero_()
+            tables[c.seq.slot, :len(ids)] = torch.tensor(ids, dtype=torch.int64, device=tables.device)
+        ex.forward(self.chunks, self.taps)
+
+
+@dataclass
+class Draft:
+    """`Executor.draft` (CPU tensors)."""
+
+    anchors: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+    def apply(self, ex: Executor) -> None:
+        dev = ex.pool.device
+        ex.draft(self.anchors.to(dev), self.positions.to(dev), self.slots.to(dev))
+
+
+@dataclass
+class DraftContext:
+    """`Executor.write_draft_context`: the last forward's committed rows per chunk."""
+
+    committed: list[int]
+
+    def apply(self, ex: Executor) -> None:
+        ex.write_draft_context(self.committed)
+
+
+@dataclass
+class Step:
+    """One executor operation as rank 0 ran it, with the slot operations before it."""
+
+    op: Forward | Draft | DraftContext
     slot_ops: list[SlotOp]  # in rank 0's order: a reset and a later restore of one slot must not swap
     threads: int  # rank 0's intra-op thread count: replicated maths must round alike on every rank
-
-
-def moved(batch: StepBatch, device: torch.device | str) -> StepBatch:
-    """`batch` with every tensor on `device`."""
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
-                                         for f in dataclasses.fields(batch)
-                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def send(message: Any) -> None:
@@ -88,31 +121,28 @@ def gather_digests(pool: Any, size: int) -> list[str]:
     return out
 
 
-def apply_slot_ops(pool: Any, ops: list[SlotOp]) -> None:
+def apply_slot_ops(ex: Executor, ops: list[SlotOp]) -> None:
     """Apply rank 0's slot resets and ring restores to this rank's pool, in order."""
     for op in ops:
         if isinstance(op, int):
-            pool.reset_slots(torch.tensor([op], dtype=torch.int64, device=pool.device))
+            ex.reset_slot(op)
         else:
-            slot, boundary, rings = op
-            restore(pool, slot, boundary, rings)
+            ex.restore(*op)
 
 
-def worker_loop(engine: Any, size: int) -> None:
-    """Replay rank 0's steps on this worker's engine until rank 0 says stop."""
-    runner, pool = engine.runner, engine.pool
+def worker_loop(ex: Executor, size: int) -> None:
+    """Replay rank 0's operations on this worker's executor until rank 0 says stop."""
     while True:
         msg = receive()
         if msg == STOP:
             return
         if msg == DIGEST:
-            gather_digests(pool, size)
+            gather_digests(ex.pool, size)
             continue
         if torch.get_num_threads() != msg.threads:
             torch.set_num_threads(msg.threads)
-        with torch.inference_mode():
-            apply_slot_ops(pool, msg.slot_ops)
-            runner.forward(msg.input_ids.to(runner.device), moved(msg.batch, runner.device))
+        apply_slot_ops(ex, msg.slot_ops)
+        msg.op.apply(ex)
 
 
 class StepWatchdog:

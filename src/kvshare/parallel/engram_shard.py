@@ -18,7 +18,7 @@ import numpy as np
 from torch import nn
 
 from kvshare.config import ModelConfig
-from kvshare.config_engram import engram_primes
+from kvshare.config.engram import engram_primes
 from kvshare.errors import ConfigError
 from kvshare.model.engram_table import ROW_BLOCK, EngramTable
 

@@ -1,6 +1,7 @@
 """Starting, watching and stopping the tensor-parallel ranks of one engine.
 
-`start(model, args)` is called by `LLMEngine` when ``args.tensor_parallel_size > 1``:
+`start(model, args)` is called above the engine (`kvshare.llm.build_engine`, used by `LLM` and the
+CLI) when ``args.tensor_parallel_size > 1``; the engine then gets the handle and rank 0's shard:
 - started normally (one process): it spawns ranks 1..N-1 on this machine (``mp`` spawn, a free
   port for the rendezvous, each worker pinned to this process's intra-op thread count), joins the
   group as rank 0 and returns (`TPHandle`, rank 0's shard);
@@ -37,6 +38,8 @@ from kvshare.parallel import control
 from kvshare.parallel.group import TPGroup, destroy_group, free_port, init_group, launched_by_torchrun
 from kvshare.parallel.loader import load_rank_model, resolve_model
 from kvshare.parallel.shard import check_divisible
+from kvshare.parallel.tp_executor import TPExecutor
+from kvshare.engine.engine import LLMEngine
 
 JOIN_TIMEOUT_S = 10.0
 
@@ -58,43 +61,17 @@ class TPHandle:
         self.closed = False
         self.watchdog = control.StepWatchdog(step_timeout_s, self._stalled)
         self._stopped_ranks: list[int] = []
-        self._ops: list[control.SlotOp] = []  # slot resets and prefix restores since the last step
         atexit.register(self.close)
 
-    def attach(self, engine: Any) -> None:
-        """Route `engine`'s steps through the group: slot resets, prefix restores and steps go to
-        the workers (the operations with the next step, in the order rank 0 applied them)."""
-        on_open = engine.blocks.on_open
+    def executor(self, runner: Any, pool: Any, draft: Any = None, windows: Any = None) -> Any:
+        """Rank 0's executor: every operation is broadcast to the workers, then run here
+        (parallel/tp_executor.py)."""
+        self.pool = pool
+        return TPExecutor(self, runner, pool, draft, windows)
 
-        def reset(slot: int) -> None:
-            self._ops.append(slot)
-            on_open(slot)
-
-        engine.blocks.on_open = reset
-        if engine.prefix is not None:
-            adopt = engine.prefix.adopt
-
-            def adopt_and_forward(seq: Any, m: Any) -> None:
-                adopt(seq, m)
-                if m.boundary > 0 and m.checkpoint is not None:  # what adopt restored, as it did
-                    rings = {k: (d, w, r.cpu()) for k, (d, w, r) in m.checkpoint.rings.items()}
-                    self._ops.append((seq.slot, m.boundary, rings))
-
-            engine.prefix.adopt = adopt_and_forward
-        runner = engine.runner
-        runner.before_forward = self._send_step
-        local_forward = runner.forward
-
-        def forward(input_ids: torch.Tensor, batch: Any) -> torch.Tensor:
-            return self._guard(local_forward, input_ids, batch)
-
-        runner.forward = forward
-        self.pool = engine.pool
-
-    def _send_step(self, input_ids: torch.Tensor, batch: Any) -> None:
-        step = control.Step(input_ids.cpu(), control.moved(batch, "cpu"), self._ops, torch.get_num_threads())
-        self._ops = []
-        self._guard(control.send, step)
+    def guard(self, fn: Any, *a: Any) -> Any:
+        """``fn(*a)``; any failure stops the group and raises `TPWorkerError` (engine_fatal)."""
+        return self._guard(fn, *a)
 
     def _guard(self, fn: Any, *a: Any) -> Any:
         if self.failed is not None:
@@ -205,11 +182,11 @@ def _worker_main(rank: int, size: int, init_method: str, model: Any, args: Any, 
 
 def _serve(group: TPGroup, model: Any, args: Any) -> None:
     """A worker's life: load its shard, build its engine (same arguments), replay rank 0's steps."""
-    from kvshare.engine.engine import LLMEngine
-
     shard = load_rank_model(model, args, group)
-    engine = LLMEngine(shard, None, args=dataclasses.replace(args, tensor_parallel_size=1))
-    control.worker_loop(engine, group.size)
+    # Rank 0 alone keeps the prefix cache (its restores come as slot operations).
+    engine = LLMEngine(shard, None, args=dataclasses.replace(args, tensor_parallel_size=1,
+                                                             enable_prefix_caching=False))
+    control.worker_loop(engine.executor, group.size)
 
 
 def start(model: Any, args: Any) -> tuple[TPHandle | None, Any]:

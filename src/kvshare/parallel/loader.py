@@ -130,9 +130,12 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     weights_dir = p if p.is_dir() else (p.parent if p.is_file() else None)
     if weights_dir is not None:
         refuse_pickle_only(weights_dir)
-    if weights_dir is None or not has_weights(weights_dir):
-        return apply_tp(load_model(model, dtype=dtype, device=device, quant=quant, engram_table=args.engram_table),
-                        group)
+    draft = getattr(args, "speculative_config", None) is not None
+    if weights_dir is None or not has_weights(weights_dir) or draft:
+        # With DSpark stages (replicated: `restructure` shards the backbone only) the whole checkpoint
+        # is read, then narrowed: the sliced reader below skips the mtp.* tensors.
+        return apply_tp(load_model(model, dtype=dtype, device=device, quant=quant, engram_table=args.engram_table,
+                                   draft=draft), group)
     cfg = load_config(str(p))
     plan = ShardPlan(cfg, group.rank, group.size)
     tokenizer = load_tokenizer(str(p)) if cfg.engram_layer_ids else None

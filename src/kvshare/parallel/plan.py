@@ -6,7 +6,7 @@
   per-block and per-sequence figures of `CacheLayout` apply to every rank unchanged.
 - Engram (V4.1): the host-resident tables (FP8 rows + row scales) are split by hash columns
   (`engram_shard`): rank r holds its columns' rows, `rank_table_bytes`; the ranks' figures sum to
-  `config_engram.engram_bytes`' ``tables``.
+  `config.engram.engram_bytes`' ``tables``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The engine API has no prompt log-probabilities (its ModelRunner asks the model for the logits of
 the last row of each chunk only). `ScoringRunner` is a ModelRunner that asks for every row instead,
 records the log-likelihood of each prompt token given its prefix, and hands the engine the same
-sampling-row logits it would otherwise get. Everything else is the real engine: its scheduler
+sampling-row logits it would otherwise get; the engine's executor runs its forwards through it
+(``Executor.using``) for the scoring run. Everything else is the real engine: its scheduler
 splits prompts into chunks of at most ``max_num_batched_tokens`` tokens across steps and batches
 several requests per step, the PagedBackend stores the packed quantised cache in the block pool.
 Each piece is one request ``[bos] + piece`` with ``max_tokens=1``.
@@ -39,12 +40,7 @@ class ScoringRunner(ModelRunner):
         """One engine step with logits for every row; returns what `ModelRunner.run` returns."""
         input_ids, batch, sampling = self.build_batch(chunks)
         batch.logit_rows = None
-        try:
-            logits = self.model(input_ids, batch, self.backend)
-        finally:
-            end = getattr(self.backend, "end_step", None)
-            if end is not None:
-                end()
+        logits = self.model(input_ids, batch, self.backend)  # the executor ends the backend's step
         logp = F.log_softmax(logits.float(), dim=-1)
         off = 0
         for c in chunks:
@@ -82,8 +78,7 @@ def engine_bits_per_byte(llm: LLM, pieces: list[torch.Tensor],
     `progress(done, total)` is called after each engine step with the number of finished pieces."""
     engine = llm.engine
     scorer = ScoringRunner(engine.runner)
-    saved, engine.runner = engine.runner, scorer
-    try:
+    with engine.executor.using(scorer):
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         ids = []
         for i, p in enumerate(pieces):
@@ -95,8 +90,6 @@ def engine_bits_per_byte(llm: LLM, pieces: list[torch.Tensor],
             done += sum(1 for o in engine.step() if o.finished)
             if progress is not None:
                 progress(done, len(ids))
-    finally:
-        engine.runner = saved
     nats = sum(scorer.nll[r][0] for r in ids)
     n = sum(scorer.nll[r][1] for r in ids)
     want = sum(int(p.numel()) for p in pieces)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from kvshare.config_engram import validate_engram
-from kvshare.config_limits import check_sizes
+from kvshare.config.engram import validate_engram
+from kvshare.config.limits import check_sizes
 from kvshare.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvshare.config import ModelConfig
+    from kvshare.config.model import ModelConfig
 
 V4_RATIOS = frozenset({0, 4, 128})
 V41_RATIOS = frozenset({0, 1, 2})

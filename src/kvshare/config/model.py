@@ -18,22 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kvshare.config_rules import validate_config
+from kvshare.config.parse import parse_hf_or_reference
+from kvshare.config.rules import validate_config
+from kvshare.config.types import Arch, YarnConfig
 from kvshare.errors import ConfigError
-
-Arch = Literal["v4", "v41"]
-
-@dataclass(frozen=True)
-class YarnConfig:
-    """YaRN frequency interpolation, applied only to layers with compress ratio > 0."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -135,9 +125,7 @@ class ModelConfig:
             if d.get("index_k_source_layer_ids") is not None:
                 d["index_k_source_layer_ids"] = tuple(d["index_k_source_layer_ids"])
             return cls(**d)
-        from kvshare.config_parse import parse_hf_or_reference
-
-        return parse_hf_or_reference(raw)
+        return cls(**parse_hf_or_reference(raw))
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":
@@ -154,14 +142,3 @@ class ModelConfig:
             raise ConfigError(f"{p} is not valid JSON: {e}", field="<root>") from e
         except RecursionError:  # json (or the parser after it) recursing into absurd nesting
             raise ConfigError(f"{p} is nested too deeply to be a model config", field="<root>") from None
-
-
-def load_config(source: str | Path | dict[str, Any] | ModelConfig) -> ModelConfig:
-    """Accept a ModelConfig, a dict, a path, a directory, or a shipped config name."""
-    if isinstance(source, ModelConfig):
-        return source
-    if isinstance(source, dict):
-        return ModelConfig.from_dict(source)
-    from kvshare.shipped import resolve_config_path
-
-    return ModelConfig.from_path(resolve_config_path(str(source)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshare.config import Arch, ModelConfig, YarnConfig
+from kvshare.config.types import Arch, YarnConfig
 from kvshare.errors import ConfigError
 
 _V4_LAYER_TYPE_RATIO = {
@@ -161,7 +161,8 @@ def _dspark_fields(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
+def parse_hf_or_reference(raw: dict[str, Any]) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments from an HF or reference config dict (module doc)."""
     top = raw
     if isinstance(raw.get("text_config"), dict):
         raw = {**{k: v for k, v in top.items() if k != "text_config"}, **raw["text_config"]}
@@ -198,7 +199,7 @@ def parse_hf_or_reference(raw: dict[str, Any]) -> ModelConfig:
         engram = _int_list(raw, "engram_layers")
     cand = raw.get("candidate_source_layer_id")
     extra = {k: v for k, v in top.items() if k in ("architectures", "model_type", "quantization_config")}
-    return ModelConfig(
+    return dict(
         arch=arch,
         vocab_size=_req(raw, "vocab_size"),
         hidden_size=_req(raw, "hidden_size"),

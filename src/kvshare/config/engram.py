@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kvshare.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvshare.config import ModelConfig
+    from kvshare.config.model import ModelConfig
 
 ROW_SCALE_BLOCK = 32
 MAX_HASH_COLUMNS = 1 << 16  # primes searched at config time; the release has 48

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvshare.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvshare.config import ModelConfig
+    from kvshare.config.model import ModelConfig
 
 # field -> largest accepted value
 SIZE_LIMITS: dict[str, int] = {

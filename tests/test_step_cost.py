@@ -1,0 +1,93 @@
+"""Per-step work that does not grow with a request's history: penalty counts kept incrementally,
+outputs that copy nothing that grows (and still read as this step's snapshot later)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from kvshare.engine import penalties
+from kvshare.engine.engine import LLMEngine
+from kvshare.engine.penalties import PenaltyCounts
+from kvshare.engine.sampling import SamplingParams
+from kvshare.model.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-v41", quant=False)
+
+
+def test_penalty_counts_follow_appends_by_hand() -> None:
+    """After every batch of appends, the counts equal a hand count (collections.Counter) of the
+    output and the prompt's token set; a reused request id with other lists is recounted."""
+    rng = random.Random(0)
+    vocab, counts = 11, PenaltyCounts()
+    prompt, output = [rng.randrange(vocab) for _ in range(7)], []
+    for _ in range(6):
+        output.extend(rng.randrange(vocab) for _ in range(rng.randrange(0, 4)))
+        out, in_prompt = counts.rows(["r"], [(prompt, output)], vocab, torch.device("cpu"))
+        c = Counter(output)
+        assert out[0].tolist() == [float(c[v]) for v in range(vocab)]
+        assert in_prompt[0].tolist() == [v in set(prompt) for v in range(vocab)]
+    other = [3, 3]
+    out, in_prompt = counts.rows(["r"], [([1], other)], vocab, torch.device("cpu"))
+    assert out[0, 3] == 2 and out.sum() == 2 and in_prompt[0].nonzero().flatten().tolist() == [1]
+
+
+def test_engine_penalties_count_each_token_once(model, monkeypatch) -> None:
+    """Generating with penalties tensorises each prompt once and each output token once (not the
+    whole history every step), and the tokens equal a run that recounts every step."""
+    seen: list[int] = []
+    real = penalties._scatter_counts
+
+    def spy(lists, vocab, device):
+        seen.extend(len(x) for x in lists)
+        return real(lists, vocab, device)
+
+    prompts = [[5, 9, 13, 2, 7, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5,
+                            frequency_penalty=0.4, presence_penalty=0.3)
+
+    def run(recount: bool) -> list[list[int]]:
+        eng = LLMEngine(model, dtype="float32", enable_prefix_caching=False)
+        if recount:  # a fresh count of the whole history every step: the pre-incremental behaviour
+            monkeypatch.setattr(eng.sampler, "penalty_counts", _Recount())
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        return [done[str(i)] for i in range(len(prompts))]
+
+    monkeypatch.setattr(penalties, "_scatter_counts", spy)
+    got = run(recount=False)
+    assert sorted(seen) == sorted(len(p) for p in prompts)  # prompts once; outputs only via index_put
+    assert got == run(recount=True)
+
+
+class _Recount(PenaltyCounts):
+    def rows(self, request_ids, histories, vocab, device):
+        for rid in request_ids:
+            self.forget(rid)
+        return super().rows(request_ids, histories, vocab, device)
+
+
+def test_outputs_are_snapshots_without_copying_the_prompt(model) -> None:
+    """Each step's output reads, after the request finished, the tokens it had at that step; its
+    prompt ids are the request's own list (no per-step copy)."""
+    eng = LLMEngine(model, dtype="float32", enable_prefix_caching=False)
+    prompt = list(range(3, 40))
+    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = outs[-1]
+    assert final.finished and len(final.token_ids) == 12
+    for k, o in enumerate(outs, start=1):
+        assert o.token_ids == final.token_ids[:k] and o.logprobs == final.logprobs[:k]
+        assert o.new_token_ids == [final.token_ids[k - 1]]
+        assert o.prompt_token_ids is outs[0].prompt_token_ids and o.prompt_token_ids == prompt
