@@ -15,10 +15,14 @@ from kvshare.llm import LLM
 def hand(row: list[float], p: SamplingParams, out_len: int, eos: set[int]) -> list[float]:
     """One row processed with Python scalars, rule by rule."""
     out = list(row)
+    stop = {v for v in range(len(out)) if (v in eos and not p.ignore_eos) or v in p.stop_token_ids}
+    allowed = set(p.allowed_token_ids or range(len(out)))
+    # min_tokens yields when the allowed ids are all stop tokens (else no id could be sampled)
+    hold = out_len < p.min_tokens and not allowed <= stop
     for v in range(len(out)):
-        if p.allowed_token_ids and v not in p.allowed_token_ids:
+        if v not in allowed:
             out[v] = -math.inf
-        if out_len < p.min_tokens and ((v in eos and not p.ignore_eos) or v in p.stop_token_ids):
+        if hold and v in stop:
             out[v] = -math.inf
         if p.logit_bias and v in p.logit_bias and out[v] != -math.inf:
             out[v] += p.logit_bias[v]
@@ -27,20 +31,22 @@ def hand(row: list[float], p: SamplingParams, out_len: int, eos: set[int]) -> li
 
 def test_processors_match_hand_rules() -> None:
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 40, generator=g)
+    logits = torch.randn(7, 40, generator=g)
     params = [SamplingParams(logit_bias={3: 2.5, 7: -1.0, 39: 100.0}),
               SamplingParams(allowed_token_ids=[1, 2, 5], logit_bias={2: -0.5}),
               SamplingParams(min_tokens=3, stop_token_ids=[11]),
               SamplingParams(min_tokens=3, stop_token_ids=[11], ignore_eos=True),
-              SamplingParams()]
-    out_lens = [0, 0, 1, 2, 0]
+              SamplingParams(),
+              SamplingParams(min_tokens=3, stop_token_ids=[11], allowed_token_ids=[9, 11]),
+              SamplingParams(min_tokens=3, allowed_token_ids=[9, 12])]
+    out_lens = [0, 0, 1, 2, 0, 1, 1]
     eos = {9, 10}
     got = apply_processors(logits, params, out_lens, eos)
     for i, p in enumerate(params):
         want = hand(logits[i].tolist(), p, out_lens[i], eos)
         # the float64 sum of two fp32 values is exact; rounding it to fp32 is what one fp32 add gives
         assert torch.equal(got[i], torch.tensor(want, dtype=torch.float32)), i
-    assert apply_processors(logits, [SamplingParams()] * 5, [0] * 5, eos) is logits
+    assert apply_processors(logits, [SamplingParams()] * 7, [0] * 7, eos) is logits
     done = apply_processors(logits, [SamplingParams(min_tokens=2)], [2], eos)  # reached: nothing masked
     assert done is logits
 
@@ -86,3 +92,25 @@ def test_processors_under_speculation_equal_plain() -> None:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
         assert [list(t) for t in a.top_logprobs] == [list(t) for t in b.top_logprobs]
     assert llm.engine.stats().extra["spec_accepted_tokens"] > 0
+
+
+def test_min_tokens_yields_when_only_stop_tokens_are_allowed() -> None:
+    """allowed_token_ids = the eos alone with min_tokens: the row is not all -inf (before the fix
+    every logit was -inf and greedy emitted id 0, an id the request forbade); a structured mask that
+    allows only eos (a complete grammar) likewise lets the request stop."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 30, generator=g)
+    eos = {7}
+    params = [SamplingParams(temperature=0, min_tokens=4, allowed_token_ids=[7]),
+              SamplingParams(temperature=1.0, min_tokens=4, allowed_token_ids=[7]),
+              SamplingParams(temperature=0, min_tokens=4)]
+    only_eos = torch.zeros(30, dtype=torch.bool)
+    only_eos[7] = True
+    got = apply_processors(logits, params, [0, 0, 0], eos, masks=[None, None, only_eos])
+    for i in range(3):
+        assert torch.isfinite(got[i]).nonzero().flatten().tolist() == [7], i
+    s = Sampler()
+    s.eos_ids = frozenset(eos)
+    s.masks_for = lambda ids: [None, None, only_eos]
+    toks, _ = s(logits, params, ["a", "b", "c"], [([], []), ([], []), ([], [])])
+    assert toks.tolist() == [7, 7, 7]

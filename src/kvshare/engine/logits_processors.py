@@ -5,7 +5,9 @@ tensor operation over the rows that ask for it (rows that ask for none are not t
 
 * ``allowed_token_ids``: every other id gets ``-inf``;
 * ``min_tokens``: while the request has produced fewer than ``min_tokens`` tokens, its stop
-  tokens (eos unless ``ignore_eos``, and ``stop_token_ids``) get ``-inf``;
+  tokens (eos unless ``ignore_eos``, and ``stop_token_ids``) get ``-inf`` — unless
+  ``allowed_token_ids`` or the structured-output mask leave nothing else (a grammar that is
+  complete, say): the hard constraints win and the request may stop early;
 * ``logit_bias``: ``logit[id] += bias`` (OpenAI clamps biases to [-100, 100]; so does validation).
 * ``masks``: a boolean [N, V] (True = allowed) from structured output; None rows are unmasked.
 
@@ -44,14 +46,19 @@ def apply_processors(logits: torch.Tensor, params: list[Any], out_lens: list[int
         ok = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
         _set(ok, [params[i].allowed_token_ids for i in allowed], True)
         block[torch.tensor(allowed, device=dev)] |= ~ok
+    if masked:
+        assert masks is not None
+        block[torch.tensor(masked, device=dev)] |= ~torch.stack([masks[i].to(dev) for i in masked])  # type: ignore[union-attr]
     if stopping:
         stops = [[*(() if params[i].ignore_eos else eos), *params[i].stop_token_ids] for i in stopping]
         sub = torch.zeros(len(stopping), vocab, dtype=torch.bool, device=dev)
         _set(sub, stops, True)
-        block[torch.tensor(stopping, device=dev)] |= sub
-    if masked:
-        assert masks is not None
-        block[torch.tensor(masked, device=dev)] |= ~torch.stack([masks[i].to(dev) for i in masked])  # type: ignore[union-attr]
+        at = torch.tensor(stopping, device=dev)
+        hard = block[at]
+        both = hard | sub
+        # min_tokens yields to the hard constraints: where they leave only stop tokens, those stay
+        # allowed (otherwise every logit would be -inf and the sampler would emit a forbidden id)
+        block[at] = torch.where(both.all(dim=-1, keepdim=True), hard, both)
     if biased:
         rows = torch.tensor([i for i in biased for _ in params[i].logit_bias], dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in biased for t in params[i].logit_bias], dtype=torch.int64, device=dev)
