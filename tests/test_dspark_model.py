@@ -15,7 +15,8 @@ from kvshare.errors import CheckpointError
 from kvshare.model.deepseek import Transformer
 from kvshare.model.dense_cache import DenseCache
 from kvshare.model.dspark import DSparkDraft, attach_dspark
-from kvshare.model.loader import load_model, save_checkpoint
+from kvshare.model.loader import load_model
+from kvshare.model.checkpoint_write import save_checkpoint
 from kvshare.runtime import StepBatch, StepState
 
 import dspark_reference as ref

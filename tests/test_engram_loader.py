@@ -25,7 +25,8 @@ from kvshare.config import load_config
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.model import DenseCache, Transformer
 from kvshare.model.engram_table import EngramTable, open_tables
-from kvshare.model.loader import hf_style_config, load_checkpoint, load_model
+from kvshare.model.loader import load_checkpoint, load_model
+from kvshare.model.checkpoint_write import hf_style_config
 from kvshare.model.weights_quant import dequant_fp8_weight, quantize_fp8_weight
 from kvshare.runtime import StepBatch
 

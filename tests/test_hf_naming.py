@@ -114,7 +114,7 @@ def test_stacked_experts_must_be_complete() -> None:
 
 def test_export_refuses_v41(tmp_path: Path) -> None:
     from kvshare.errors import ConfigError
-    from kvshare.model.loader import export_transformers
+    from kvshare.model.checkpoint_write import export_transformers
 
     cfg = load_config("tiny-v41")
     with pytest.raises(ConfigError, match="V4.1"):

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshare.model.loader import export_transformers, load_checkpoint, load_model
+from kvshare.model.loader import load_checkpoint, load_model
+from kvshare.model.checkpoint_write import export_transformers
 from kvshare.runtime import StepBatch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: no HF oracle")

@@ -15,7 +15,8 @@ from kvshare.config import load_config
 from kvshare.model.deepseek import Transformer
 from kvshare.model.dtypes import cast_model, weight_bytes
 from kvshare.model.linear import Linear, QLinear, kernels_enabled, use_kernels
-from kvshare.model.loader import load_model, save_checkpoint
+from kvshare.model.loader import load_model
+from kvshare.model.checkpoint_write import save_checkpoint
 from kvshare.model.moe import _run_experts
 from kvshare.model.weights_quant import release_quantize
 from test_model_common import run_chunks, token_ids

@@ -14,7 +14,8 @@ from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError
 from kvshare.model import weights_quant as wq
 from kvshare.model.hf_naming import kvshare_to_transformers, released_shapes, transformers_to_kvshare
-from kvshare.model.loader import hf_style_config, load_checkpoint, load_model, save_checkpoint
+from kvshare.model.loader import load_checkpoint, load_model
+from kvshare.model.checkpoint_write import hf_style_config, save_checkpoint
 from kvshare.quant import fp4_codes, fp4_dequant
 from kvshare.runtime import StepBatch
 

@@ -18,7 +18,8 @@ import pytest
 
 from kvshare.errors import CheckpointError
 from kvshare.model.checkpoint_files import check_header_shapes, read_header, stored_shape
-from kvshare.model.loader import load_model, save_checkpoint
+from kvshare.model.loader import load_model
+from kvshare.model.checkpoint_write import save_checkpoint
 
 _SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 WQ_B = "layers.0.attn.wq_b.weight"

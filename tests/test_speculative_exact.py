@@ -191,7 +191,7 @@ def test_requests_with_and_without_speculation_share_a_step():
 
 def test_checkpoint_without_mtp_refuses_speculation(tmp_path):
     from kvshare.errors import CheckpointError, ConfigError
-    from kvshare.model.loader import save_checkpoint
+    from kvshare.model.checkpoint_write import save_checkpoint
 
     cfg = load_config("tiny-v41-dspark")
     save_checkpoint(Transformer(cfg, quant=False).init_weights(0), cfg, tmp_path)

@@ -35,7 +35,7 @@ _EMBED = re.compile(r"(^|\.)embed(_tokens)?\.weight$")
 def quantised_checkpoint(cfg: ModelConfig, seed: int, out_dir: str) -> int:
     """Write the bench model (seeded random weights) in the release's formats; returns its bytes."""
     from kvshare.model.linear import QLinear
-    from kvshare.model.loader import save_checkpoint
+    from kvshare.model.checkpoint_write import save_checkpoint
     from kvshare.model.weights_quant import release_quantize
 
     model = build_model(cfg, seed, torch.bfloat16)

@@ -194,7 +194,7 @@ def step_loss(model: torch.nn.Module, contexts: torch.Tensor, tc: DSparkTrainCon
 def save_release(model: torch.nn.Module, cfg: ModelConfig, tc: DSparkTrainConfig, log: dict[str, Any],
                  out: Path) -> None:
     """The base release's files, its backbone tensors unchanged, plus the bf16 mtp.* tensors."""
-    from kvshare.model.loader import save_checkpoint
+    from kvshare.model.checkpoint_write import save_checkpoint
 
     src = base_dir(tc.base)
     state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("mtp.")}

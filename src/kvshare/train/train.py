@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvshare.config import load_config
-from kvshare.model.loader import save_checkpoint
+from kvshare.model.checkpoint_write import save_checkpoint
 from kvshare.train.data import build_manifest, load_split, sample_contexts, save_manifest, verify_manifest
 from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
