@@ -111,7 +111,9 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, input_ids)
         flat, flat_w = ids.flatten(), weights.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate.cfg.n_routed_experts).tolist()
+        # the one host read of the layer (a fixed-shape count: bincount would also size its output
+        # from the data, a second sync on an accelerator)
+        counts = flat.new_zeros(self.gate.cfg.n_routed_experts).index_add_(0, flat, torch.ones_like(flat)).tolist()
         lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
         first = sum(counts[:lo])
         sel = order[first:first + sum(counts[lo:hi])]  # local slots, grouped by expert, stable
