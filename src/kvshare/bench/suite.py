@@ -1,6 +1,7 @@
 """Run the selected benchmark sections in one process, then print and save the results.
 
-Order: copy bandwidth (machine), peer comparison (V4), prefill at the released attention sizes,
+Order: copy bandwidth (machine), peer comparison (V4), prefill at the released attention sizes
+(``peer`` runs it too, then the side-by-side peer table of both, bench/peer_summary.py),
 sharing on/off and context scaling (V4.1-shaped), DSpark speculation on / off, prefix caching on /
 off (V4.1-shaped), achieved bandwidth (from the decode steps measured above). ``quant`` (alone,
 not in ``all``): the quantised V4 bench model, FP8 / FP4 weights kept packed (bench/quantised.py). The header records the
@@ -38,6 +39,8 @@ class BenchOptions:
     dtype: str = "bfloat16"
     threads: int | None = None
     peer: bool = True
+    llamacpp: bool = True
+    fetch: bool = True
     plots: bool = True
     out_dir: Path = Path("benchmarks/results")
     name: str = "bench-all"
@@ -71,7 +74,8 @@ def _header(opts: BenchOptions, threads: int) -> dict[str, Any]:
             "command": "kvshare " + " ".join(sys.argv[1:]) if sys.argv and "kvshare" in sys.argv[0] else None,
             "which": opts.which, "quick": opts.quick, "device": opts.device, "dtype": opts.dtype,
             "threads": threads, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": ver("transformers"), "machine": platform.machine(), "load_before": load_note(),
+            "transformers": ver("transformers"), "llama-cpp-python": ver("llama-cpp-python"),
+            "machine": platform.machine(), "load_before": load_note(),
             "sizes": opts.sizes.as_dict()}
 
 
@@ -112,26 +116,33 @@ def run_suite(opts: BenchOptions) -> tuple[list[Section], dict[str, Any], dict[s
     copy = copy_bandwidth(s.copy_mib * 2**20, device=opts.device) if w in ("bandwidth", "all") else None
     bw_entries: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
+    peer_sec: Section | None = None
     if w in ("peer", "all", "bandwidth"):
         t0 = time.perf_counter()
         got = _guard("peer", errors, peer_section, s, dtype=opts.dtype, device=opts.device,
-                     with_peer=opts.peer and w != "bandwidth")
+                     with_peer=opts.peer and w != "bandwidth", with_llamacpp=opts.llamacpp and w != "bandwidth",
+                     fetch=opts.fetch)
         if got is not None:
             sec, kv = got
             sec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
             if w != "bandwidth":
                 sections.append(sec)
+                peer_sec = sec
             bw_entries += _peer_bandwidth(kv, s)
             del kv
-    if w in ("prefill", "all"):
+    if w in ("prefill", "peer", "all"):
         from kvshare.bench.prefill import prefill_section
 
         t0 = time.perf_counter()
         psec = _guard("prefill", errors, prefill_section, s, dtype=opts.dtype, device=opts.device,
-                      with_peer=opts.peer)
+                      with_peer=opts.peer, with_llamacpp=opts.llamacpp, fetch=opts.fetch)
         if psec is not None:
             psec.data["elapsed_s"] = round(time.perf_counter() - t0, 1)
             sections.append(psec)
+        if peer_sec is not None:
+            from kvshare.bench.peer_summary import summary_section
+
+            sections.append(summary_section(peer_sec, psec, opts.dtype))
     if w in ("sharing", "context", "all", "bandwidth"):
         cfg41 = ModelConfig.from_dict(v41_config(s))
         model41 = build_model(cfg41, s.seed, DTYPES[opts.dtype], opts.device)

@@ -1,5 +1,11 @@
 """`kvshare bench [peer|prefill|sharing|context|bandwidth|spec|prefix|quant|all] [--quick] [size flags]`.
 
+``peer`` also runs ``prefill`` (the released attention sizes) and adds the side-by-side table of
+kvshare, transformers and llama.cpp. llama.cpp joins when ``llama-cpp-python`` is installed
+(``pip install 'kvshare[llamacpp]'``); its GGUF converter comes from the same pinned sdist,
+downloaded once with pip into ``~/.cache/kvshare`` (``--no-fetch`` to never download, or point
+``KVSHARE_LLAMACPP_SRC`` at a llama.cpp source tree).
+
 ``quant`` (not part of ``all``): the peer V4 model stored with FP8 linears and FP4 experts, kept
 packed by kvshare's kernels, against transformers on the dequantised checkpoint, one thread.
 
@@ -40,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-peer", dest="peer", action="store_false", default=True,
                    help="skip transformers in `peer` (kvshare numbers only)")
+    p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false", default=True,
+                   help="skip llama.cpp in `peer` / `prefill` (default: run it when llama-cpp-python is installed)")
+    p.add_argument("--no-fetch", dest="fetch", action="store_false", default=True,
+                   help="never download llama.cpp's GGUF converter (skip llama.cpp when it is not cached)")
     p.add_argument("--no-plots", dest="plots", action="store_false", default=True, help="skip the PNG plots")
     add_size_flags(p)
     p.set_defaults(func=run)
@@ -61,10 +71,17 @@ def run(args: argparse.Namespace) -> int:
         print("note: transformers is not installed, so kvshare runs without its peer "
               "(pip install 'kvshare[bench]')", file=sys.stderr)
         args.peer = False
+    if args.llamacpp and args.which in ("peer", "prefill", "all"):
+        from kvshare.bench.llamacpp_files import binding_available
+
+        reason = binding_available()
+        if reason is not None:
+            print(f"note: {reason}, so llama.cpp is skipped", file=sys.stderr)
 
     opts = BenchOptions(
         which=args.which, sizes=sizes_from_args(args), device=args.device, dtype=args.dtype,
-        threads=args.threads, peer=args.peer, plots=args.plots, out_dir=args.out_dir,
+        threads=args.threads, peer=args.peer, llamacpp=args.llamacpp, fetch=args.fetch, plots=args.plots,
+        out_dir=args.out_dir,
         name=args.name or f"bench-{args.which}{'-quick' if args.quick else ''}", quick=args.quick)
     _, header, _ = run_suite(opts)
     return 1 if header["errors"] else 0

@@ -1,0 +1,144 @@
+"""llama.cpp as a benchmark peer: the GGUF conversion and llama.cpp's V4 graph against kvshare (fp32).
+
+Needs llama.cpp's converter (``KVSHARE_LLAMACPP_SRC`` or the bench's cache, see
+bench/llamacpp_files.py) and, for the logits tests, ``llama-cpp-python``; without them the tests
+are skipped: they never download or build anything.
+
+* The GGUF holds the checkpoint's tensors unchanged: routed experts stacked per projection,
+  the hash table as I32, every value equal to kvshare's (read back with llama.cpp's own reader).
+* llama.cpp on the f32 GGUF reproduces kvshare's fp32 logits (tiny-v4: ratios 0/4/128/4/0/4, a
+  hash layer, YaRN; 140 tokens: an HCA entry and 35 CSA entries against top-4, so the indexer
+  selects), for the whole prompt, for one token per step after a 114-token prefill, and for two
+  sequences of one context (the benchmark's batch) against each sequence alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvshare.bench import llamacpp_files as files
+from kvshare.config import load_config
+from kvshare.model.checkpoint_write import save_checkpoint
+
+CONVERTER = files.converter_dir()
+needs_converter = pytest.mark.skipif(CONVERTER is None, reason="llama.cpp's converter is not available "
+                                     f"(set KVSHARE_LLAMACPP_SRC or fill {files.cache_dir()})")
+needs_binding = pytest.mark.skipif(files.binding_available() is not None,
+                                   reason=str(files.binding_available()))
+
+SEQ = 140  # as test_hf_oracle: one ratio-128 entry, 35 ratio-4 entries against index_topk 4
+PREFIX = 114
+# Observed max |llama.cpp - kvshare| over all logits (magnitudes up to ~4): 2.4e-6 prefill, 2.4e-6 decode.
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """tiny-v4 in fp32 with seeded weights, its checkpoint and its f32 GGUF."""
+    from kvshare.model.deepseek import Transformer
+
+    cfg = load_config("tiny-v4")
+    model = Transformer(cfg, quant=False).init_weights(0).float().eval()
+    out = tmp_path_factory.mktemp("gguf")
+    ckpt = save_checkpoint(model, cfg, out / "ckpt")
+    gguf_path = files.convert_checkpoint(ckpt, out / "tiny-f32.gguf", CONVERTER, "f32") if CONVERTER else None
+    return {"cfg": cfg, "model": model, "gguf": gguf_path}
+
+
+@needs_converter
+def test_gguf_holds_the_checkpoint(tiny: dict) -> None:
+    sys.path.insert(0, str(CONVERTER / "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.remove(str(CONVERTER / "gguf-py"))
+    cfg, sd = tiny["cfg"], tiny["model"].state_dict()
+    reader = GGUFReader(tiny["gguf"])
+    tensors = {t.name: t for t in reader.tensors}
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert fields["general.architecture"] == "deepseek4" and fields["tokenizer.ggml.model"] == "none"
+    assert fields["deepseek4.vocab_size"] == cfg.vocab_size
+    assert fields["deepseek4.attention.compress_ratios"] == list(cfg.compress_ratios)
+
+    def arr(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.asarray(t.data).reshape(list(reversed([int(x) for x in t.shape])))
+
+    for il in range(cfg.num_hidden_layers):
+        for proj, key in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+            want = torch.stack([sd[f"layers.{il}.ffn.experts.{e}.{proj}.weight"] for e in range(cfg.n_routed_experts)])
+            np.testing.assert_array_equal(arr(f"blk.{il}.ffn_{key}_exps.weight"), want.numpy())
+        np.testing.assert_array_equal(arr(f"blk.{il}.attn_q_a.weight"), sd[f"layers.{il}.attn.wq_a.weight"].numpy())
+    assert tensors["blk.0.ffn_gate_tid2eid.weight"].tensor_type.name == "I32"
+    np.testing.assert_array_equal(arr("blk.0.ffn_gate_tid2eid.weight"), sd["layers.0.ffn.gate.tid2eid"].numpy())
+    np.testing.assert_array_equal(arr("token_embd.weight"), sd["embed.weight"].numpy())
+
+
+def _ks_logits(model: torch.nn.Module, ids: torch.Tensor, prefix: int | None) -> torch.Tensor:
+    """kvshare fp32 logits: every position of one prefill, or a `prefix` prefill then one token per step."""
+    from kvshare.model.dense_cache import DenseCache
+    from kvshare.runtime import StepBatch
+
+    cache = DenseCache(model.cfg, model.topo, 1, SEQ)
+    with torch.inference_mode():
+        if prefix is None:
+            return model.forward(ids, StepBatch.build([0], [ids.numel()]), cache)
+        model.forward(ids[:prefix], StepBatch.build([0], [prefix]), cache)
+        return torch.cat([model.forward(ids[t:t + 1], StepBatch.build([t], [1]), cache) for t in range(prefix, SEQ)])
+
+
+@pytest.fixture(scope="module")
+def lc(tiny: dict):
+    from kvshare.bench.llamacpp_peer import LlamaCppModel
+
+    m = LlamaCppModel(tiny["gguf"], "f32")
+    yield m
+    m.close()
+
+
+def _prompt(cfg, seed: int) -> torch.Tensor:
+    return torch.randint(3, cfg.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(seed))
+
+
+@needs_converter
+@needs_binding
+def test_llamacpp_prefill_matches_kvshare(tiny: dict, lc) -> None:
+    from kvshare.bench.llamacpp_peer import LlamaCppSession
+
+    ids = _prompt(tiny["cfg"], 1)
+    want = _ks_logits(tiny["model"], ids, None)
+    sess = LlamaCppSession(lc, 1, SEQ, SEQ)
+    try:
+        got = sess.prefill([ids.tolist()], all_logits=True)[0]
+    finally:
+        sess.close()
+    assert got.shape == tuple(want.shape)
+    err = np.abs(got - want.numpy()).max()
+    assert err < ATOL, err
+
+
+@needs_converter
+@needs_binding
+def test_llamacpp_decode_and_batch_match_kvshare(tiny: dict, lc) -> None:
+    from kvshare.bench.llamacpp_peer import LlamaCppSession
+
+    seqs = [_prompt(tiny["cfg"], 2), _prompt(tiny["cfg"], 3)]
+    want = [_ks_logits(tiny["model"], ids, PREFIX).numpy() for ids in seqs]
+    sess = LlamaCppSession(lc, 2, SEQ + 1, 2 * PREFIX)
+    try:  # both sequences in one context: prefill together, then one token of each per step
+        rows = [[r] for r in sess.prefill([ids[:PREFIX].tolist() for ids in seqs])]
+        for t in range(PREFIX, SEQ):
+            for acc, r in zip(rows, sess.step([int(ids[t]) for ids in seqs])):
+                acc.append(r)
+    finally:
+        sess.close()
+    for acc, w in zip(rows, want):
+        got = np.concatenate(acc)
+        # row 0 is the prefill's (after token PREFIX - 1); then, like kvshare's rows, after tokens PREFIX..SEQ-1
+        np.testing.assert_allclose(got[1:], w, rtol=0, atol=ATOL)
+    assert np.abs(np.concatenate(rows[0]) - np.concatenate(rows[1])).max() > 1e-2  # the sequences stay apart
