@@ -15,8 +15,13 @@ assume what those checkpoints hold and the benchmark model does not:
   id-only vocabulary (tokenizer model ``none`` with ``deepseek4.vocab_size`` dummy tokens).
 
 Everything else (tensor names, hyper-parameters, the hash-routing table as I32, dtypes: bf16
-tensors stay BF16, fp32 ones F32) is upstream's conversion unchanged. The q8_0 file is made from
-this one with llama.cpp's quantizer (``llama_model_quantize``), as ``llama-quantize`` does.
+tensors stay BF16, fp32 ones F32) is upstream's conversion unchanged. ``--outtype q8_0`` writes
+the matrices kvshare runs in bf16 (attention, experts, indexer query, embedding, head) as Q8_0
+and keeps what kvshare keeps in fp32 (mHC, compressors, router, norms) as stored, as upstream
+does for the released checkpoint's FP8 matrices; except ``wo_a``, which stays bf16: llama.cpp
+0.3.36's CPU backend has no Q8_0 kernel for its grouped product, and creating a context then
+aborts (``GGML_ASSERT(*cur_backend_id != -1)``), as it does for ``llama_model_quantize``'s Q8_0
+of this model.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 _EXPERT_STACK = re.compile(r"layers\.(\d+)\.ffn\.experts\.(w[123])\.weight$")
+# GGUF tensors the q8_0 file keeps as stored: what kvshare keeps in fp32 in every dtype (mHC,
+# compressors, router, hash table, norms), and wo_a (attn_output_a): llama.cpp 0.3.36's CPU
+# backend cannot run its grouped 3-D product in Q8_0, so creating a context aborts with
+# GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched_split_graph
+_KEEP = re.compile(r"hc_|compressor|ffn_gate_inp|tid2eid|_norm\.|attn_output_a")
 
 
 def _converter_class() -> Any:
@@ -77,6 +87,13 @@ def _converter_class() -> Any:
                 return [(self.format_tensor_name(proj_keys[m.group(2)], bid), data_torch)]
             return super().modify_tensors(data_torch, name, bid)
 
+        def tensor_force_quant(self, name: str, new_name: str, bid: int | None, n_dims: int) -> Any:
+            # q8_0: the matrices kvshare runs in bf16 become Q8_0 (upstream quantises the released
+            # checkpoint's FP8 matrices to Q8_0 the same way); mHC, compressors, router stay as stored
+            if self.ftype == gguf.LlamaFileType.MOSTLY_Q8_0 and n_dims >= 2 and not _KEEP.search(new_name):
+                return gguf.GGMLQuantizationType.Q8_0
+            return super().tensor_force_quant(name, new_name, bid, n_dims)
+
         def prepare_tensors(self) -> None:
             TextModel.prepare_tensors(self)  # upstream's V4 override only marks the file as MXFP4
 
@@ -86,11 +103,13 @@ def _converter_class() -> Any:
 def convert(ckpt_dir: Path, out_path: Path, outtype: str = "bf16") -> Path:
     """Convert `ckpt_dir` (config.json + safetensors, kvshare's released naming) to a GGUF.
 
-    `outtype` "bf16": bf16 tensors BF16, fp32 ones F32 (upstream's rule for V4); "f32": all F32."""
+    `outtype` "bf16": bf16 tensors BF16, fp32 ones F32 (upstream's rule for V4); "q8_0": the
+    matrices kvshare runs in bf16 Q8_0, the rest as "bf16"; "f32": all F32."""
     import gguf
     import torch
 
-    ftypes = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f32": gguf.LlamaFileType.ALL_F32}
+    ftypes = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "f32": gguf.LlamaFileType.ALL_F32}
     if outtype not in ftypes:
         raise ValueError(f"outtype must be one of {sorted(ftypes)}, got {outtype!r}")
     cls = _converter_class()
@@ -104,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt_dir", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("--outtype", default="bf16", choices=["bf16", "f32"])
+    p.add_argument("--outtype", default="bf16", choices=["bf16", "q8_0", "f32"])
     args = p.parse_args(argv)
     import logging
 

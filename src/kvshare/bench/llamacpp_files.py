@@ -12,8 +12,8 @@ taken from the same pinned sdist, in this order:
    allowed to fetch; tests never do).
 
 ``write_ggufs`` saves the benchmark model as a checkpoint (``config.json`` + safetensors, released
-naming), converts it with ``kvshare.bench.gguf_v4`` in a subprocess (the converter's modules stay
-out of this process), and quantises that GGUF to q8_0 with ``llama_model_quantize``.
+naming) and converts it twice with ``kvshare.bench.gguf_v4`` in a subprocess (the converter's
+modules stay out of this process): in the checkpoint's dtype, and q8_0.
 """
 
 from __future__ import annotations
@@ -105,27 +105,14 @@ def convert_checkpoint(ckpt_dir: Path, out: Path, converter: Path, outtype: str 
     return out
 
 
-def quantize_q8_0(src: Path, dst: Path, threads: int = 1) -> Path:
-    """`src` quantised to Q8_0 with llama.cpp's quantizer (what ``llama-quantize src dst Q8_0`` does)."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-    params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize returned {rc} for {src}")
-    return dst
-
-
 def write_ggufs(model: Any, cfg: Any, out_dir: Path, converter: Path, dtype_label: str) -> dict[str, Path]:
     """The model's weights as ``{dtype_label: <checkpoint dtype GGUF>, "q8_0": <quantised GGUF>}``."""
     from kvshare.model.checkpoint_write import save_checkpoint
 
     ckpt = save_checkpoint(model, cfg, out_dir / "ckpt")
-    base = convert_checkpoint(ckpt, out_dir / f"model-{dtype_label}.gguf", converter,
-                              "f32" if dtype_label == "f32" else "bf16")
+    out = {label: convert_checkpoint(ckpt, out_dir / f"model-{label}.gguf", converter, label)
+           for label in (dtype_label, "q8_0")}
     for f in ckpt.iterdir():  # the checkpoint is only the converter's input
         f.unlink()
     ckpt.rmdir()
-    return {dtype_label: base, "q8_0": quantize_q8_0(base, out_dir / "model-q8_0.gguf")}
+    return out

@@ -50,6 +50,10 @@ class LlamaCppModel:
         self.path = Path(path)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
+        # No extra CPU buffer types: on a CPU with AMX, llama.cpp 0.3.36 puts Q8_0 weights in its AMX
+        # buffer and its AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat) on this model.
+        # BF16 / F32 weights never use those buffers, so only the q8_0 GGUF is affected.
+        params.use_extra_bufts = False
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -60,10 +64,17 @@ class LlamaCppModel:
             self.lib.llama_model_free(self.model)
             self.model = None
 
-    def new_context(self, n_seq: int, max_len: int, n_batch: int, threads: int) -> Any:
-        """A context for `n_seq` sequences of up to `max_len` tokens each, `n_batch` tokens per decode call."""
+    def new_context(self, n_seq: int, max_len: int, n_batch: int, threads: int, fp32_attention: bool = False) -> Any:
+        """A context for `n_seq` sequences of up to `max_len` tokens each, `n_batch` tokens per decode call.
+
+        llama.cpp's defaults (what the benchmark measures): an f16 KV cache and, on CPU, flash
+        attention, whose kernel also rounds the queries to f16. `fp32_attention` keeps both in fp32
+        (f32 cache, flash attention off) for the comparison with kvshare's fp32 model."""
         lc = self.lib
         p = lc.llama_context_default_params()
+        if fp32_attention:
+            p.type_k = p.type_v = lc.GGML_TYPE_F32
+            p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.n_seq_max = n_seq
         p.n_ctx = n_seq * 256 * math.ceil(max_len / 256)  # split evenly: one stream per sequence
         p.n_batch = n_batch
@@ -84,10 +95,11 @@ class LlamaCppSession:
     one token per sequence at the next position. Both return the logits llama.cpp produced, one
     [n, n_vocab] float32 array per sequence (n = 1, or every position with ``all_logits``)."""
 
-    def __init__(self, model: LlamaCppModel, n_seq: int, max_len: int, n_batch: int, threads: int = 1) -> None:
+    def __init__(self, model: LlamaCppModel, n_seq: int, max_len: int, n_batch: int, threads: int = 1,
+                 fp32_attention: bool = False) -> None:
         self.lib = model.lib
         self.n_vocab = model.n_vocab
-        self.ctx = model.new_context(n_seq, max_len, n_batch, threads)
+        self.ctx = model.new_context(n_seq, max_len, n_batch, threads, fp32_attention)
         self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
         self.n_batch = n_batch
         self.pos = [0] * n_seq
@@ -168,6 +180,22 @@ def lc_warmup(model: LlamaCppModel, prompts: torch.Tensor, threads: int = 1) -> 
     lc_generate(model, prompts[:, : min(prompts.shape[1], 32)], 2, threads)
 
 
+def unsupported(cfg: Any) -> str | None:
+    """Why llama.cpp's ``deepseek4`` cannot run `cfg`, or None. These configs would abort the process
+    inside llama.cpp (a GGML_ASSERT), so they are refused before loading."""
+    ratios = set(cfg.compress_ratios[: cfg.num_hidden_layers])
+    if cfg.arch != "v4":
+        return f"llama.cpp's deepseek4 runs DeepSeek-V4 models only (this is {cfg.arch})"
+    if not ratios <= {0, 4, 128}:
+        return f"llama.cpp's deepseek4 supports compress ratios 0, 4 and 128 only, got {sorted(ratios)}"
+    if cfg.index_head_dim % 64:
+        return (f"llama.cpp's deepseek4 rotates index keys with a Hadamard matrix of at least 64 x 64, so "
+                f"index_head_dim must be a multiple of 64 (got {cfg.index_head_dim})")
+    if cfg.hc_mult != 4:
+        return f"llama.cpp's deepseek4 asserts hc_mult == 4 (got {cfg.hc_mult})"
+    return None
+
+
 def open_peers(model: torch.nn.Module, cfg: Any, dtype: str, workdir: Path,
                fetch: bool = True) -> tuple[list[LlamaCppModel], str | None]:
     """llama.cpp on `model`'s weights: ([checkpoint-dtype GGUF, q8_0 GGUF], None), or ([], reason).
@@ -176,7 +204,7 @@ def open_peers(model: torch.nn.Module, cfg: Any, dtype: str, workdir: Path,
     fetched). The GGUFs are written under `workdir`, which must outlive the returned models."""
     from kvshare.bench import llamacpp_files as files
 
-    reason = files.binding_available()
+    reason = files.binding_available() or unsupported(cfg)
     if reason is not None:
         return [], reason
     converter = files.converter_dir()
@@ -207,7 +235,7 @@ def llamacpp_peers(model: torch.nn.Module, cfg: Any, dtype: str, device: str, en
             models, reason = open_peers(model, cfg, dtype, Path(tmp), fetch)
             note = f"llama.cpp: skipped, {reason}" if reason else (
                 f"llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}): GGUFs {', '.join(m.label for m in models)} of "
-                "these weights (llama.cpp's converter; q8_0 by llama_model_quantize); a batch is one context "
+                "these weights (llama.cpp's converter, kvshare.bench.gguf_v4); a batch is one context "
                 "with n_seq_max = batch")
         try:
             yield models, note
