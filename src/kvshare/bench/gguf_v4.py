@@ -18,10 +18,8 @@ Everything else (tensor names, hyper-parameters, the hash-routing table as I32, 
 tensors stay BF16, fp32 ones F32) is upstream's conversion unchanged. ``--outtype q8_0`` writes
 the matrices kvshare runs in bf16 (attention, experts, indexer query, embedding, head) as Q8_0
 and keeps what kvshare keeps in fp32 (mHC, compressors, router, norms) as stored, as upstream
-does for the released checkpoint's FP8 matrices; except ``wo_a``, which stays bf16: llama.cpp
-0.3.36's CPU backend has no Q8_0 kernel for its grouped product, and creating a context then
-aborts (``GGML_ASSERT(*cur_backend_id != -1)``), as it does for ``llama_model_quantize``'s Q8_0
-of this model.
+does for the released checkpoint's FP8 matrices. (``llama_model_quantize`` would quantise the
+fp32 matrices too.)
 """
 
 from __future__ import annotations
@@ -34,10 +32,8 @@ from typing import Any, Iterable
 
 _EXPERT_STACK = re.compile(r"layers\.(\d+)\.ffn\.experts\.(w[123])\.weight$")
 # GGUF tensors the q8_0 file keeps as stored: what kvshare keeps in fp32 in every dtype (mHC,
-# compressors, router, hash table, norms), and wo_a (attn_output_a): llama.cpp 0.3.36's CPU
-# backend cannot run its grouped 3-D product in Q8_0, so creating a context aborts with
-# GGML_ASSERT(*cur_backend_id != -1) in ggml_backend_sched_split_graph
-_KEEP = re.compile(r"hc_|compressor|ffn_gate_inp|tid2eid|_norm\.|attn_output_a")
+# compressors, router, hash table, norms)
+_KEEP = re.compile(r"hc_|compressor|ffn_gate_inp|tid2eid|_norm\.")
 
 
 def _converter_class() -> Any:

@@ -51,8 +51,9 @@ class LlamaCppModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
         # No extra CPU buffer types: on a CPU with AMX, llama.cpp 0.3.36 puts Q8_0 weights in its AMX
-        # buffer and its AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat) on this model.
-        # BF16 / F32 weights never use those buffers, so only the q8_0 GGUF is affected.
+        # buffer, where this model's Q8_0 matmuls crash (SIGSEGV in ggml_backend_amx_mul_mat) and
+        # the grouped wo_a product has no kernel (context creation aborts: GGML_ASSERT
+        # *cur_backend_id != -1). BF16 / F32 weights never use those buffers.
         params.use_extra_bufts = False
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
