@@ -5,9 +5,9 @@ sequence; `LlamaCppSession`): the prefill is one ``llama_decode`` of all B x L p
 (token ``i`` of prompt ``s`` at position ``i`` of sequence ``s``, logits only for each prompt's
 last token) followed by the argmax of the B logit rows; each decode step is one ``llama_decode``
 of the B last tokens (one per sequence) and their argmax (the logits are copied out of
-llama.cpp's buffer, B x vocab floats, inside the timed step). The timed regions match kvshare's (``kv_generate``) and
-transformers' (``hf_generate``): prefill = prompts in until every first token is out, decode
-step = one new token for every sequence. Threads: ``n_threads = n_threads_batch = threads``.
+llama.cpp's buffer, B x vocab floats, inside the timed step). The timed regions match kvshare's
+(``kv_generate``) and transformers' (``hf_generate``): prefill = prompts in until every first
+token is out, decode step = one new token for every sequence. Threads: ``n_threads = n_threads_batch = threads``.
 Memory: the peak RSS the context and the run added (the weights, mapped at load, are not in it).
 """
 

@@ -48,7 +48,8 @@ def llamacpp_rows(kv: GenResult, runs: dict[str, list[GenResult]], entry: dict[s
                  "tpot": kv.tpot_ms / best.tpot_ms}
         entry["llamacpp"][label] = {"result": best.as_dict(), "all_decode_tok_s": [r.decode_tps for r in lc_runs],
                                     "all_prefill_s": [r.prefill_s for r in lc_runs], "tokens_vs_kvshare": cmp,
-                                    "ratio": ratio, "repeat_tokens_stable": all(r.tokens == best.tokens for r in lc_runs)}
+                                    "ratio": ratio,
+                                    "repeat_tokens_stable": all(r.tokens == best.tokens for r in lc_runs)}
         rows.append(_row(best, f"{cmp['sequences_identical']}/{cmp['sequences']} vs kvshare"))
         rows.append([kv.batch, f"kvshare/llama.cpp {label}", ratio["prefill"], ratio["decode"], ratio["tpot"], "", ""])
 

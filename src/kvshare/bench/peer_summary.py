@@ -74,7 +74,7 @@ def summary_section(peer: Section, released: Section | None, dtype: str) -> Sect
     runs = {r["batch"]: r for r in peer.data["runs"]}
     big = max(runs)
     if lc_base is not None:
-        checks = [(f"decode tok/s, batch 1", TARGET_DECODE_B1_VS_LLAMACPP),
+        checks = [("decode tok/s, batch 1", TARGET_DECODE_B1_VS_LLAMACPP),
                   (f"decode tok/s, batch {big}", TARGET_DECODE_BMAX_VS_LLAMACPP),
                   (f"prefill tok/s, batch {big}", TARGET_PREFILL_VS_LLAMACPP)]
         for name, goal in checks:
