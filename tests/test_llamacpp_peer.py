@@ -16,7 +16,8 @@ are skipped: they never download or build anything.
   index heads (the quick preset) ReLU makes scores exactly 0 often enough that tied entries meet
   the boundary, and llama.cpp's top-k breaks those ties differently from kvshare's (lower
   position first), which changes a few picks and the logits by up to 0.4.
-* Configs llama.cpp would abort on are refused with a reason instead.
+* Configs llama.cpp would abort on, a missing binding and a missing converter (with fetching off)
+  are refused with a reason instead, nothing converted or downloaded.
 """
 
 from __future__ import annotations
@@ -206,3 +207,20 @@ def test_bench_peer_runs_llamacpp(tmp_path: Path) -> None:
     assert out["peer-summary"]["columns"] == ["throughput", "kvshare", "llama.cpp bf16", "llama.cpp q8_0"]
     assert all(v is not None for row in out["peer-summary"]["rows"] for v in row)
 
+
+
+def test_open_peers_says_why_llamacpp_is_skipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without the binding, or without the converter when fetching is off, no model is opened and the
+    report gets the reason (nothing is converted or downloaded)."""
+    from kvshare.bench.llamacpp_peer import open_peers
+
+    cfg = ModelConfig.from_dict(peer_v4_config(QUICK.replace(index_dim=64)))
+    monkeypatch.setattr(files, "binding_available", lambda: "llama-cpp-python is not installed")
+    assert open_peers(None, cfg, "bfloat16", tmp_path, fetch=False) == ([], "llama-cpp-python is not installed")
+    monkeypatch.setattr(files, "binding_available", lambda: None)
+    monkeypatch.setattr(files, "converter_dir", lambda: None)
+    models, reason = open_peers(None, cfg, "bfloat16", tmp_path, fetch=False)
+    assert models == [] and "converter is not in" in reason and "KVSHARE_LLAMACPP_SRC" in reason
+    assert open_peers(None, load_config("tiny-v4"), "bfloat16", tmp_path, fetch=False)[1].startswith(
+        "llama.cpp's deepseek4 rotates index keys")
+    assert not list(tmp_path.iterdir())
