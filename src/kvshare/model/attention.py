@@ -114,27 +114,42 @@ class Attention(nn.Module):
         """Batch-invariant attention [T, H, d]: every query row attends its own gathered keys with a
         product shape set by the row alone (ops/invariant.py): its W window rows, then its k top-k
         picks (top-k layers) or its causal compressed entries padded to a length bucket (V4 HCA;
-        rows grouped by bucket). Same maths as `forward`'s paths; only the summation shapes differ."""
+        rows grouped by bucket). Same maths as `forward`'s paths; only the summation shapes differ.
+        On top-k layers a row whose bucket is below k reads only min(bucket, k) pick columns (the
+        rest are -1 for it): prefill at short contexts gathers its few compressed rows, not k."""
         batch = ctx.batch
         win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
         if self.ratio == 0:
             return sparse_attention(q, win, win_valid, self.attn_sink, scale)
         topk = self._compress_and_select(ctx, x, qr)
         seq = ctx.seq_index
+        buckets = ctx.addr.length_buckets(self.ratio, invariant.BUCKET)  # a few per step, host ints
         if topk is not None:
-            rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(topk), topk, batch)
-            keys = torch.cat([win, rows.to(win.dtype)], dim=1)
-            return sparse_attention(q, keys, torch.cat([win_valid, topk >= 0], dim=1), self.attn_sink, scale)
+            k = topk.shape[1]
+            if buckets[0][0] >= k:  # every row may hold k picks: one product shape for all
+                return self._attend_picks(ctx, q, win, win_valid, seq, topk, scale)
+            out = q.new_empty(q.shape)
+            for b, rows_b in buckets:
+                # a row picks at most its causal count (pos + 1) // ratio <= b entries, listed first
+                # (ops/topk.py): columns past min(b, k) are -1 padding for every row of the bucket
+                out[rows_b] = self._attend_picks(ctx, q[rows_b], win[rows_b], win_valid[rows_b], seq[rows_b],
+                                                 topk[rows_b, :min(b, k)], scale)
+            return out
         n_causal = ctx.addr.prefix(self.ratio).compress_len
         out = q.new_empty(q.shape)
-        for b, rows_b in ctx.addr.length_buckets(self.ratio, invariant.BUCKET):  # a few per step, host ints
+        for b, rows_b in buckets:
             j = torch.arange(b, device=q.device).unsqueeze(0).expand(rows_b.numel(), -1)
             j = j.masked_fill(j >= n_causal[rows_b].unsqueeze(1), -1)
-            comp = ctx.cache.gather_rows("kv", self.layer, seq[rows_b].unsqueeze(1).expand_as(j), j, batch)
-            keys = torch.cat([win[rows_b], comp.to(win.dtype)], dim=1)
-            valid = torch.cat([win_valid[rows_b], j >= 0], dim=1)
-            out[rows_b] = sparse_attention(q[rows_b], keys, valid, self.attn_sink, scale)
+            out[rows_b] = self._attend_picks(ctx, q[rows_b], win[rows_b], win_valid[rows_b], seq[rows_b], j, scale)
         return out
+
+    def _attend_picks(self, ctx: StepContext, q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor,
+                      seq: torch.Tensor, picks: torch.Tensor, scale: float) -> torch.Tensor:
+        """`sparse_attention` of query rows q [T, H, d] over their window keys, then their picked
+        compressed rows (picks [T, m], -1 = none) gathered from the cache."""
+        rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(picks), picks, ctx.batch)
+        keys = torch.cat([win, rows.to(win.dtype)], dim=1)
+        return sparse_attention(q, keys, torch.cat([win_valid, picks >= 0], dim=1), self.attn_sink, scale)
 
     def _compress_and_select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor | None:
         """Steps 1-3 of the module doc: compress, index (publish or take the top-k), write the new
