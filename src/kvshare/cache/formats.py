@@ -211,11 +211,27 @@ class RowFormat:
         assert out.shape[-1] == self.row_bytes
         return out
 
-    def unpack(self, u8: torch.Tensor) -> torch.Tensor:
-        """uint8 [..., row_bytes] -> float32 [..., dim] (float64 for `fp64` rows)."""
+    def unpack(self, u8: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """uint8 [..., row_bytes] -> float32 [..., dim] (float64 for `fp64` rows), or `dtype`.
+
+        Plain rows (bf16 / fp32 / fp64) convert straight to `dtype` (one copy: a bf16 row read as
+        bf16 is not widened to fp32 and rounded back, which gives the same values); quantised rows
+        are decoded in fp32, then rounded to `dtype`."""
+        plain = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}.get(self.scheme)
+        if dtype is not None and plain is not None and self.row_bytes:
+            self._check(u8)
+            return u8.contiguous().view(plain).to(dtype, copy=True)
+        out = self._decode(u8)
+        return out if dtype is None else out.to(dtype)
+
+    def _check(self, u8: torch.Tensor) -> None:
         if u8.dtype != torch.uint8 or u8.shape[-1] != self.row_bytes:
             raise ValueError(f"{self.kind} row format {self.label} expects uint8 [..., {self.row_bytes}], "
                              f"got {u8.dtype} [..., {u8.shape[-1]}]")
+
+    def _decode(self, u8: torch.Tensor) -> torch.Tensor:
+        """`unpack` in the format's own float dtype (float32, float64 for `fp64` rows)."""
+        self._check(u8)
         u8 = u8.contiguous()
         s, d, db = self.scheme, self.dim, self.data_bytes
         if self.row_bytes == 0:

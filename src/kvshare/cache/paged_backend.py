@@ -136,7 +136,7 @@ class PagedBackend:
             return hit
         block, row, valid = compressed_row_address(self._tables(batch), _lift(seq, index), index,
                                                    self.pool.ratio(layer), self.block_size)
-        rows = self.pool.formats[kind].unpack(view[block, row]).to(self.pool.dtype)
+        rows = self.pool.formats[kind].unpack(view[block, row], self.pool.dtype)
         rows = rows.masked_fill(~valid[..., None], 0)
         self._reads.put(view, "rows", index, seq, rows)
         return rows
@@ -166,7 +166,7 @@ class PagedBackend:
         rows = view[span].reshape(n, span.shape[1] * view.shape[1], view.shape[-1])[:, :width]
         if rows.shape[1] < width:  # rows past the table (never for a valid batch): zeros
             rows = torch.cat([rows, rows.new_zeros(n, width - rows.shape[1], rows.shape[-1])], dim=1)
-        out = self.pool.formats[kind].unpack(rows).to(self.pool.dtype).masked_fill(~mask[..., None], 0)
+        out = self.pool.formats[kind].unpack(rows, self.pool.dtype).masked_fill(~mask[..., None], 0)
         self._reads.put(view, "prefix", n_rows, tables, out)
         return out, mask
 

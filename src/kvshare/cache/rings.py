@@ -47,7 +47,7 @@ class Ring:
         return (values if self.fmt is None else self.fmt.pack(values)).to(self.data.dtype)
 
     def unpack(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (stored if self.fmt is None else self.fmt.unpack(stored)).to(dtype)
+        return stored.to(dtype) if self.fmt is None else self.fmt.unpack(stored, dtype)
 
     # ---- reads -------------------------------------------------------------------------------
     def gather(self, slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
