@@ -136,6 +136,66 @@ def test_a_dead_child_is_replaced() -> None:
     assert first.prompt == second.prompt == [1]
 
 
+def _ids_body(n: int) -> bytes:
+    return json.dumps({"prompt": [7] * n, "max_tokens": 1}).encode()
+
+
+def test_a_body_over_its_cpu_time_is_refused() -> None:
+    """A 1.5 MB body of 500,000 ids costs the child ~0.1 s of CPU; with a 10 ms limit it is a 400
+    naming the CPU time, and the next body goes to a fresh child. Mutation caught: the CPU-time
+    check removed (the body is then decoded)."""
+    async def run() -> tuple[APIError, int, int, Any]:
+        parser = BodyParser(RequestLimits(parse_timeout_s=0.01))
+        try:
+            parser.start()
+            first_pid = parser._proc.pid  # type: ignore[union-attr]
+            with pytest.raises(APIError) as e:
+                await parser.parse(_ids_body(500_000), CompletionRequest)
+            second_pid = parser._proc.pid  # type: ignore[union-attr]
+            parser.limits = RequestLimits()
+            return e.value, first_pid, second_pid, await parser.parse(_ids_body(OFF_LOOP_BYTES // 2), CompletionRequest)
+        finally:
+            parser.close()
+
+    err, first, second, ok = asyncio.run(run())
+    assert (err.status, err.code) == (400, "invalid_json") and "s of CPU" in err.message, err.message
+    assert first != second and len(ok.prompt) == OFF_LOOP_BYTES // 2
+
+
+def test_a_stopped_child_gets_a_503_after_the_wall_limit_not_a_400() -> None:
+    """A child that gets no CPU (SIGSTOP here; a starved nice-19 child alike) uses no CPU time, so
+    the body is not blamed: after _WALL_FACTOR x parse_timeout_s of wall time it is a 503, the
+    child is replaced, and the next body is decoded. Mutations caught: the CPU limit counted in
+    wall time (a 400 after 0.2 s), the wall limit removed (the wait does not end: 20 s guard)."""
+    import os
+    import signal
+
+    from kvshare.server import body_parser as bp
+
+    limit = 0.2
+
+    async def run() -> tuple[APIError, float, Any]:
+        parser = BodyParser(RequestLimits(parse_timeout_s=limit))
+        try:
+            parser.start()
+            stopped = parser._proc
+            os.kill(stopped.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            t0 = time.monotonic()
+            with pytest.raises(APIError) as e:
+                await asyncio.wait_for(parser.parse(_ids_body(200_000), CompletionRequest), 20)
+            took = time.monotonic() - t0
+            assert parser._proc is not stopped and stopped.poll() is not None  # type: ignore[union-attr]
+            parser.limits = RequestLimits()
+            return e.value, took, await parser.parse(_ids_body(OFF_LOOP_BYTES // 2), CompletionRequest)
+        finally:
+            parser.close()
+
+    err, took, ok = asyncio.run(run())
+    assert (err.status, err.code) == (503, "parser_timeout"), err.message
+    assert bp._WALL_FACTOR * limit <= took < bp._WALL_FACTOR * limit + 5, took
+    assert len(ok.prompt) == OFF_LOOP_BYTES // 2
+
+
 # ---- the server under a burst of bad bodies -----------------------------------------------------
 
 N_STREAMS = 4
@@ -159,6 +219,13 @@ def bad_bodies(size: int = 4 * 2**20 - 4096) -> list[tuple[str, bytes]]:
     return [("/v1/completions", ids), ("/v1/completions", stops), ("/v1/chat/completions", msgs)]
 
 
+def test_the_child_starts_with_the_server(server: BackgroundServer) -> None:
+    """The child's start-up (its imports: ~1.5 s of CPU) is paid when the server starts, not by the
+    first burst of large bodies. Mutation caught: `parser.start()` left out of the lifespan."""
+    proc = server.app.state.body_parser._proc
+    assert proc is not None and proc.poll() is None
+
+
 def test_large_bodies_are_decoded_in_the_child(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """No body over OFF_LOOP_BYTES is json-decoded in the server process; the child's 400 names the field."""
     import kvshare.server.body_parser as bp
@@ -173,6 +240,38 @@ def test_large_bodies_are_decoded_in_the_child(server: BackgroundServer, monkeyp
     small = {"prompt": [5, 6], "max_tokens": 1}
     assert httpx.post(server.base_url + "/v1/completions", json=small, timeout=60).status_code == 200
     assert sizes and max(sizes) <= OFF_LOOP_BYTES  # the small body was decoded here, the large ones not
+
+
+def test_health_answers_while_a_large_body_waits_on_the_child(server: BackgroundServer) -> None:
+    """With the child stopped, a 4 MiB body waits in the parser; meanwhile the event loop still
+    answers /health and generates for a small body, and once the child goes on the body gets its
+    400. Mutation caught: the pipe worked on the event loop (`parse` calling `_call` directly):
+    /health then times out."""
+    import os
+    import signal
+
+    async def run() -> tuple[list[int], int]:
+        os.kill(server.app.state.body_parser._proc.pid, signal.SIGSTOP)
+        stopped = True
+        try:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                path, raw = bad_bodies()[0]
+                big = asyncio.create_task(client.post(path, content=raw, headers={"Content-Type": "application/json"}))
+                await asyncio.sleep(0.5)  # the body is in the parser, the child does not read it
+                assert not big.done()
+                seen = [(await client.get("/health", timeout=5)).status_code,
+                        (await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                                           timeout=30)).status_code]
+                assert not big.done()
+                os.kill(server.app.state.body_parser._proc.pid, signal.SIGCONT)
+                stopped = False
+                return seen, (await big).status_code
+        finally:
+            if stopped:
+                os.kill(server.app.state.body_parser._proc.pid, signal.SIGCONT)
+
+    seen, big = asyncio.run(run())
+    assert seen == [200, 200] and big == 400, (seen, big)
 
 
 def _start_server(port: int) -> Any:

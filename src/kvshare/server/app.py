@@ -70,6 +70,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.event_loop = asyncio.get_running_loop()
+        parser.start()  # its imports (~1.5 s of CPU) now, not during the first burst of large bodies
         loop.start()
         try:
             yield
@@ -80,6 +81,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     app = FastAPI(title="kvshare", lifespan=lifespan)
     app.state.kvshare = state
     app.state.limits = limits
+    app.state.body_parser = parser
     _install_error_handlers(app)
     install(app, access or AccessPolicy(), limits, state.metrics)
 
