@@ -11,7 +11,7 @@ effect measured). This repeats `--repeats` times; the median ratio is the result
 run without them. Prints the ratios, the longest gap between two tokens of one stream, and the
 server's RSS growth (VmRSS of the process).
 
-    python benchmarks/server_bad_bodies.py [--mode burst|flood] [--repeats 7] [--threads 1] [--port 8123]
+    python benchmarks/server_bad_bodies.py [--mode burst|flood] [--repeats 15] [--threads 1] [--port 8123]
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def max_gap(runs: list[list[float]], start: float, end: float) -> float:
     return max((b - a for t in runs for a, b in zip(t, t[1:]) if start <= a and b <= end), default=0.0)
 
 
-async def burst(url: str, bodies: list[bytes], window: float) -> tuple[float, float, float, float, list[int]]:
-    """(rate before, rate while the bodies are in the server, rate after, max gap, status codes)."""
+async def burst(url: str, bodies: list[bytes], window: float) -> tuple[float, float, float, float, float, list[int]]:
+    """(rate before, rate while the bodies are in the server, rate after, seconds they were in it,
+    max gap, status codes)."""
     runs: list[list[float]] = [[] for _ in range(8)]
     async with httpx.AsyncClient(timeout=600) as client:
         streams = [asyncio.create_task(stream(client, url, i, 3000, runs[i])) for i in range(8)]
@@ -86,7 +87,7 @@ async def burst(url: str, bodies: list[bytes], window: float) -> tuple[float, fl
         for s in streams:
             s.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-    return (rate(runs, before, sent), rate(runs, sent, answered), rate(runs, answered, after),
+    return (rate(runs, before, sent), rate(runs, sent, answered), rate(runs, answered, after), answered - sent,
             max_gap(runs, before, after), list(codes))
 
 
@@ -114,7 +115,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mode", choices=["burst", "flood"], default="burst")
-    ap.add_argument("--repeats", type=int, default=7, help="bursts (burst mode)")
+    ap.add_argument("--repeats", type=int, default=15, help="bursts (burst mode)")
     ap.add_argument("--window", type=float, default=1.5, help="seconds measured before and after a burst")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream (flood mode)")
     a = ap.parse_args()
@@ -126,12 +127,13 @@ def main() -> int:
         if a.mode == "burst":
             ratios, gaps, codes = [], [], set()
             for i in range(a.repeats):
-                before, during, after, gap, got = asyncio.run(burst(url, bodies, a.window))
+                before, during, after, took, gap, got = asyncio.run(burst(url, bodies, a.window))
                 ratios.append(during / ((before + after) / 2))
                 gaps.append(gap)
                 codes |= set(got)
                 print(f"burst {i + 1}: {before:.1f} tok/s before, {during:.1f} while the bodies were in the "
-                      f"server ({100 * ratios[-1]:.0f}%), {after:.1f} after; max gap {gap:.3f} s; replies {got}")
+                      f"server ({took:.2f} s; {100 * ratios[-1]:.0f}%), {after:.1f} after; max gap {gap:.3f} s; "
+                      f"replies {sorted(set(got))}")
             print(f"median {100 * statistics.median(ratios):.0f}% of the rate around the bursts "
                   f"(min {100 * min(ratios):.0f}%, max {100 * max(ratios):.0f}%), max gap {max(gaps):.3f} s, "
                   f"replies {sorted(codes)}")

@@ -24,6 +24,13 @@ import httpx
 from served import rss_mb, served
 
 
+def anon_file_mb(pid: int) -> str:
+    """RssAnon (heap, arenas, anonymous maps) and RssFile (touched pages of mapped files) of `pid`."""
+    with open(f"/proc/{pid}/status") as f:
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")}
+    return f"anon {kb['RssAnon'] / 1024:.0f} MB, file {kb['RssFile'] / 1024:.0f} MB"
+
+
 def children_rss_mb(pid: int) -> float:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
     return sum(rss_mb(int(c)) for c in out if os.path.exists(f"/proc/{c}"))
@@ -87,17 +94,18 @@ def main() -> int:
     with served(a.port, a.threads, "error", 60) as (srv, url):
         asyncio.run(run(url, 0, 10, 8))
         time.sleep(2)
-        first = rss_mb(srv.pid)
+        first, first_parts = rss_mb(srv.pid), anon_file_mb(srv.pid)
         t0 = time.time()
         codes = asyncio.run(run(url, 10, a.requests, 8))
-        busy = rss_mb(srv.pid)
+        busy, busy_parts = rss_mb(srv.pid), anon_file_mb(srv.pid)
         took = time.time() - t0
         time.sleep(a.idle)
-        last = rss_mb(srv.pid)
+        last, last_parts = rss_mb(srv.pid), anon_file_mb(srv.pid)
         metric = [l for l in httpx.get(url + "/metrics").text.splitlines() if l.startswith("process_resident")]
-        print(f"RSS after the first 10 requests: {first:.0f} MB")
-        print(f"RSS right after {a.requests} mixed requests ({took:.0f} s, replies {codes}): {busy:.0f} MB")
-        print(f"RSS after {a.idle:g} s idle: {last:.0f} MB ({last / first:.2f}x the first); "
+        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end")
+        print(f"RSS after the first 10 requests: {first:.0f} MB ({first_parts})")
+        print(f"RSS right after {a.requests} mixed requests ({took:.0f} s, replies {codes}): {busy:.0f} MB ({busy_parts})")
+        print(f"RSS after {a.idle:g} s idle: {last:.0f} MB ({last_parts}; {last / first:.2f}x the first); "
               f"body-parser child {children_rss_mb(srv.pid):.0f} MB; /metrics: {metric}")
     return 0
 
