@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import httpx
@@ -24,11 +24,13 @@ def rss_mb(pid: int) -> float:
 
 
 @contextmanager
-def served(port: int, threads: int, log_level: str, stop_timeout: float) -> Iterator[tuple[subprocess.Popen, str]]:
-    """(server process, base URL) of `kvshare serve` on 127.0.0.1:`port`, ready to answer."""
+def served(port: int, threads: int, log_level: str, stop_timeout: float,
+           extra: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(server process, base URL) of `kvshare serve` on 127.0.0.1:`port` (more `serve` flags in
+    `extra`), ready to answer."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     srv = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--port", str(port), "--log-level", log_level,
-                            "--threads", str(threads)], env=env)
+                            "--threads", str(threads), *extra], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):

@@ -118,9 +118,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=15, help="bursts (burst mode)")
     ap.add_argument("--window", type=float, default=1.5, help="seconds measured before and after a burst")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream (flood mode)")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="a further `kvshare serve` flag (repeatable), e.g. --serve-arg=--no-batch-invariant")
     a = ap.parse_args()
     bodies = bad_bodies()
-    with served(a.port, a.threads, "warning", 30) as (srv, url):
+    with served(a.port, a.threads, "warning", 30, a.serve_arg) as (srv, url):
         asyncio.run(flood(url, bodies, 20, False))  # warm-up
         rss0 = rss_mb(srv.pid)
         print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} before")

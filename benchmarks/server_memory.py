@@ -90,8 +90,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--idle", type=float, default=60.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="a further `kvshare serve` flag (repeatable), e.g. --serve-arg=--no-batch-invariant")
     a = ap.parse_args()
-    with served(a.port, a.threads, "error", 60) as (srv, url):
+    with served(a.port, a.threads, "error", 60, a.serve_arg) as (srv, url):
         asyncio.run(run(url, 0, 10, 8))
         time.sleep(2)
         first, first_parts = rss_mb(srv.pid), anon_file_mb(srv.pid)
