@@ -32,7 +32,7 @@ _POST_ROUTE = {"400": "Malformed JSON, a structural limit passed, or an invalid 
                "415": "The body is not application/json.",
                "429": "Too many concurrent requests; retry later.",
                "500": "The request failed inside the engine (other requests go on).",
-               "503": "The server is shutting down."}
+               "503": "The server is shutting down, or the body parser got no CPU for too long; retry later."}
 
 
 def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name: str | None = None) -> None:
