@@ -12,7 +12,7 @@ import pytest
 
 from kvshare.config import load_config
 from kvshare.engine.sampling import SamplingParams
-from kvshare.engine.structured import StructuredSpec
+from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.errors import RequestError
 from kvshare.llm import LLM
 from kvshare.model.deepseek import Transformer

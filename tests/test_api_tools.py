@@ -174,7 +174,8 @@ def test_history_with_tool_calls_is_rendered(client: openai.OpenAI) -> None:
 
 def test_tool_choice_grammar_allows_only_a_call_block() -> None:
     pytest.importorskip("llguidance")
-    from kvshare.engine.structured import StructuredOutputs, StructuredSpec
+    from kvshare.engine.structured import StructuredOutputs
+    from kvshare.engine.structured_spec import StructuredSpec
     from kvshare.errors import RequestError  # noqa: F401
     from kvshare.server.tool_calls import tool_grammar
 

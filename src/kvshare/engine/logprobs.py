@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
 
 
 def num_logprobs(value: int | bool | None) -> int | None:

@@ -7,6 +7,10 @@ RequestError naming the field, instead of failing inside a batched step.
 * ``top_k``: at most ``TOP_K_MAX`` (2^31 - 1; any value >= the vocabulary means the whole vocabulary).
 * ``seed``: ``torch.Generator.manual_seed`` takes [-2^63, 2^64); Python ints outside overflow.
 * ``stop_token_ids``: real ints (not bools), at most ``MAX_STOP_TOKEN_IDS`` of them.
+* ``logprobs`` / ``top_logprobs`` at most ``MAX_LOGPROBS``; ``logit_bias`` at most ``MAX_LOGIT_BIAS`` entries.
+
+No torch import here: the server's body-parser child validates requests with these bounds and
+stays light (server/body_parser.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ TOP_K_MAX = 2**31 - 1
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
+MAX_LOGIT_BIAS = 4096  # entries per request (vLLM does not bound it; OpenAI allows 300)
 
 
 def _is_int(v: Any) -> bool:

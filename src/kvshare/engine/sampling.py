@@ -26,12 +26,13 @@ from typing import Any, Callable
 import torch
 
 from kvshare.engine.logits_processors import apply_processors
-from kvshare.engine.logprobs import MAX_LOGPROBS, num_logprobs
+from kvshare.engine.logprobs import num_logprobs
+from kvshare.engine.param_ranges import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from kvshare.engine.structured_spec import KINDS, StructuredSpec
 from kvshare.engine.param_ranges import check_ranges
 from kvshare.engine.penalties import History, PenaltyCounts, penalise
 from kvshare.errors import RequestError
 
-MAX_LOGIT_BIAS = 4096  # entries per request (vLLM does not bound it; OpenAI allows 300)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (k >= 1)
-    structured: Any = None  # engine/structured.StructuredSpec: a grammar the output must follow
+    structured: Any = None  # engine/structured_spec.StructuredSpec: a grammar the output must follow
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> RequestError:
@@ -131,7 +132,6 @@ def _check_extras(p: SamplingParams, vocab: int | None, bad: Callable[[str], Req
     if not isinstance(p.min_tokens, int) or isinstance(p.min_tokens, bool) or not 0 <= p.min_tokens <= p.max_tokens:
         raise bad(f"min_tokens must be an integer in [0, max_tokens = {p.max_tokens}], got {p.min_tokens!r}")
     if p.structured is not None:
-        from kvshare.engine.structured import KINDS, StructuredSpec
 
         if not isinstance(p.structured, StructuredSpec) or p.structured.kind not in KINDS:
             raise bad(f"structured must be a StructuredSpec of kind {'/'.join(KINDS)}, got {p.structured!r}")

@@ -28,24 +28,13 @@ JSON is compact (no free whitespace), so a document takes few tokens.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.errors import RequestError
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-@dataclass(frozen=True)
-class StructuredSpec:
-    """One constraint: `kind` in KINDS, its `value` (schema dict or JSON text, regex, list of strings,
-    EBNF text) and the request `field` it came from (named in errors)."""
-
-    kind: str
-    value: Any = None
-    field: str = "structured_outputs"
 
 
 def token_table(tokenizer: Any, vocab_size: int) -> tuple[list[bytes], list[int]]:

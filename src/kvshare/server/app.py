@@ -35,7 +35,7 @@ from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLi
 from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                      ModelList, TokenizeRequest)
-from kvshare.engine.structured import StructuredSpec
+from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
 from kvshare.server.tool_calls import tool_grammar
 from kvshare.server.tokenize import tokenize_body

@@ -21,10 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from kvshare.engine.logprobs import MAX_LOGPROBS
-from kvshare.engine.param_ranges import MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN, TOP_K_MAX
-from kvshare.engine.sampling import MAX_LOGIT_BIAS
-from kvshare.engine.structured import StructuredSpec
+from kvshare.engine.param_ranges import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
+                                         TOP_K_MAX)
+from kvshare.engine.structured_spec import StructuredSpec
 
 MAX_STOP_STRINGS = 256  # vLLM accepts any number; each costs a substring search per generated token
 MAX_STOP_CHARS = 1024  # per stop string
