@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "gemm.h"
+#include "decode.h"
 
 namespace kk = kvshare_kernels;
 
@@ -75,7 +76,81 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   return y;
 }
 
+// ---- decode-step kernels (decode.h): thin checks, then one call over all rows ----
+static void check_rows(const torch::Tensor& t, const char* name, torch::ScalarType want) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "kernels.decode: ", name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == want, "kernels.decode: ", name, " has dtype ", t.scalar_type(), ", expected ", want);
+}
+
+static void check_stream_dtype(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "kernels.decode: ", name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32,
+              "kernels.decode: ", name, " must be bf16 or fp32, got ", t.scalar_type());
+}
+
+// (pre [T, hc], post [T, hc], comb [T, hc, hc]) from the mixes m [T, >= (2 + hc) hc] fp32.
+static std::vector<torch::Tensor> mhc_post(torch::Tensor m, torch::Tensor base, torch::Tensor scale, int64_t hc,
+                                           double eps, int64_t iters) {
+  check_rows(m, "m", torch::kFloat32);
+  check_rows(base, "base", torch::kFloat32);
+  check_rows(scale, "scale", torch::kFloat32);
+  TORCH_CHECK(hc >= 1 && hc <= 16, "kernels.mhc_post: hc must be in [1, 16], got ", hc);
+  TORCH_CHECK(iters >= 1, "kernels.mhc_post: iters must be >= 1, got ", iters);
+  TORCH_CHECK(m.dim() == 2 && m.size(1) >= (2 + hc) * hc, "kernels.mhc_post: m must be [T, ", (2 + hc) * hc, "], got ", m.sizes());
+  TORCH_CHECK(base.numel() == (2 + hc) * hc && scale.numel() == 3, "kernels.mhc_post: base must have ",
+              (2 + hc) * hc, " and scale 3 entries");
+  const int64_t t = m.size(0);
+  auto opt = m.options();
+  auto pre = torch::empty({t, hc}, opt), post = torch::empty({t, hc}, opt), comb = torch::empty({t, hc, hc}, opt);
+  kk::mhc_post(m.data_ptr<float>(), t, m.size(1), base.data_ptr<float>(), scale.data_ptr<float>(), static_cast<int>(hc),
+               static_cast<float>(eps), static_cast<int>(iters), pre.data_ptr<float>(), post.data_ptr<float>(),
+               comb.data_ptr<float>());
+  return {pre, post, comb};
+}
+
+// Sinkhorn divisions in place on comb [T, hc, hc] fp32.
+static void sinkhorn_(torch::Tensor comb, double eps, int64_t iters) {
+  check_rows(comb, "comb", torch::kFloat32);
+  TORCH_CHECK(comb.dim() == 3 && comb.size(1) == comb.size(2) && comb.size(1) <= 16,
+              "kernels.sinkhorn_: comb must be [T, hc, hc] with hc <= 16, got ", comb.sizes());
+  kk::sinkhorn(comb.data_ptr<float>(), comb.size(0), static_cast<int>(comb.size(1)), static_cast<float>(eps),
+               static_cast<int>(iters));
+}
+
+// x [T, D] in h's dtype = sum_j pre[:, j] h[:, j] for h [T, hc, D].
+static torch::Tensor mhc_collapse(torch::Tensor h, torch::Tensor pre) {
+  check_stream_dtype(h, "h");
+  check_rows(pre, "pre", torch::kFloat32);
+  TORCH_CHECK(h.dim() == 3 && h.size(1) <= 16 && pre.dim() == 2 && pre.size(0) == h.size(0) && pre.size(1) == h.size(1),
+              "kernels.mhc_collapse: h [T, hc, D] and pre [T, hc] do not fit: ", h.sizes(), " and ", pre.sizes());
+  auto out = torch::empty({h.size(0), h.size(2)}, h.options());
+  kk::mhc_collapse(h.data_ptr(), h.scalar_type() == torch::kBFloat16, pre.data_ptr<float>(), h.size(0),
+                   static_cast<int>(h.size(1)), h.size(2), out.data_ptr());
+  return out;
+}
+
+// h' [T, hc, D] = post_k y + sum_j comb[j, k] h_j, in h's dtype.
+static torch::Tensor mhc_expand(torch::Tensor h, torch::Tensor y, torch::Tensor post, torch::Tensor comb) {
+  check_stream_dtype(h, "h");
+  check_rows(y, "y", h.scalar_type());
+  check_rows(post, "post", torch::kFloat32);
+  check_rows(comb, "comb", torch::kFloat32);
+  const int64_t t = h.size(0), hc = h.size(1), d = h.size(2);
+  TORCH_CHECK(h.dim() == 3 && hc <= 16 && y.dim() == 2 && y.size(0) == t && y.size(1) == d && post.dim() == 2 &&
+              post.size(0) == t && post.size(1) == hc && comb.dim() == 3 && comb.size(0) == t && comb.size(1) == hc &&
+              comb.size(2) == hc, "kernels.mhc_expand: shapes do not fit: h ", h.sizes(), ", y ", y.sizes(), ", post ",
+              post.sizes(), ", comb ", comb.sizes());
+  auto out = torch::empty_like(h);
+  kk::mhc_expand(h.data_ptr(), y.data_ptr(), h.scalar_type() == torch::kBFloat16, post.data_ptr<float>(),
+                 comb.data_ptr<float>(), t, static_cast<int>(hc), d, out.data_ptr());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
+  mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
+  mod.def("sinkhorn_", &sinkhorn_, "mHC Sinkhorn divisions in place (decode.h)");
+  mod.def("mhc_collapse", &mhc_collapse, "mHC collapse of the streams (decode.h)");
+  mod.def("mhc_expand", &mhc_expand, "mHC expand of a sublayer output into the streams (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

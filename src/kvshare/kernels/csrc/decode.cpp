@@ -1,0 +1,182 @@
+// Decode-step kernels outside the GEMMs (see decode.h). Compiled for AVX2 + FMA (the native
+// library's floor: `best_isa` serves no native path on a CPU without them), with floating-point
+// contraction off, so the only fused multiply-adds are the explicit `fmaf` calls; the same bits
+// under every code path ("amx", "avx512", "avx2").
+//
+// exp is SLEEF's vector expf (1-ulp, "u10"), the one torch's vectorised sigmoid and softmax call:
+// libtorch_cpu exports it, and its 8- and 16-lane versions give the same bits, so these kernels
+// reproduce torch's element-wise results whichever ATEN_CPU_CAPABILITY torch runs with.
+#pragma GCC target("avx2,fma,f16c")
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+#include "decode.h"
+
+extern "C" __m256 Sleef_expf8_u10(__m256);
+
+namespace kvshare_kernels {
+namespace {
+
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even (NaN -> quiet NaN), as c10's float -> bfloat16 conversion.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (f != f) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// exp of n <= 16 values in place (SLEEF, as torch's vectorised kernels).
+inline void exp_n(float* v, int n) {
+  for (int i = 0; i < n; i += 8) {
+    alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int c = n - i < 8 ? n - i : 8;
+    for (int l = 0; l < c; ++l) buf[l] = v[i + l];
+    _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_load_ps(buf)));
+    for (int l = 0; l < c; ++l) v[i + l] = buf[l];
+  }
+}
+
+// torch's vectorised sigmoid: 1 / (1 + exp(0 - z)), for n <= 16 values in place.
+inline void sigmoid_n(float* v, int n) {
+  for (int i = 0; i < n; ++i) v[i] = 0.0f - v[i];
+  exp_n(v, n);
+  for (int i = 0; i < n; ++i) v[i] = 1.0f / (v[i] + 1.0f);
+}
+
+
+inline float load(const void* p, int bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store(void* p, int bf16, int64_t i, float v) {
+  if (bf16) static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else static_cast<float*>(p)[i] = v;
+}
+
+void sinkhorn_row(float* c, int hc, float eps, int iters) {
+  float s[16];
+  for (int it = 0; it < iters - 1; ++it) {
+    for (int j = 0; j < hc; ++j) {  // rows: over k
+      float a = 0.0f;
+      for (int k = 0; k < hc; ++k) a += c[j * hc + k];
+      a += eps;
+      for (int k = 0; k < hc; ++k) c[j * hc + k] /= a;
+    }
+    for (int k = 0; k < hc; ++k) s[k] = 0.0f;  // columns: over j
+    for (int j = 0; j < hc; ++j)
+      for (int k = 0; k < hc; ++k) s[k] += c[j * hc + k];
+    for (int k = 0; k < hc; ++k) s[k] += eps;
+    for (int j = 0; j < hc; ++j)
+      for (int k = 0; k < hc; ++k) c[j * hc + k] /= s[k];
+  }
+}
+
+}  // namespace
+
+void sinkhorn(float* comb, int64_t T, int hc, float eps, int iters) {
+  for (int64_t t = 0; t < T; ++t) sinkhorn_row(comb + t * hc * hc, hc, eps, iters);
+}
+
+void mhc_post(const float* m, int64_t T, int64_t ld, const float* base, const float* scale, int hc,
+              float eps, int iters, float* pre, float* post, float* comb) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* mt = m + t * ld;
+    float zp[16], zq[16];
+    for (int i = 0; i < hc; ++i) {
+      zp[i] = mt[i] * scale[0] + base[i];
+      zq[i] = mt[hc + i] * scale[1] + base[hc + i];
+    }
+    sigmoid_n(zp, hc);
+    sigmoid_n(zq, hc);
+    for (int i = 0; i < hc; ++i) {
+      pre[t * hc + i] = zp[i] + eps;
+      post[t * hc + i] = 2.0f * zq[i];
+    }
+    float* c = comb + t * hc * hc;
+    for (int j = 0; j < hc; ++j) {
+      float* row = c + j * hc;
+      const float* mj = mt + 2 * hc + j * hc;
+      const float* bj = base + 2 * hc + j * hc;
+      float mx = -INFINITY;
+      for (int k = 0; k < hc; ++k) {
+        row[k] = mj[k] * scale[2] + bj[k];
+        mx = row[k] > mx ? row[k] : mx;
+      }
+      for (int k = 0; k < hc; ++k) row[k] = row[k] - mx;
+      exp_n(row, hc);
+      float sum = 0.0f;  // torch's softmax over a short last dim: a sequential sum, then x * (1 / sum)
+      for (int k = 0; k < hc; ++k) sum += row[k];
+      const float inv = 1.0f / sum;
+      for (int k = 0; k < hc; ++k) row[k] = row[k] * inv + eps;
+    }
+    float s[16];
+    for (int k = 0; k < hc; ++k) s[k] = 0.0f;
+    for (int j = 0; j < hc; ++j)
+      for (int k = 0; k < hc; ++k) s[k] += c[j * hc + k];
+    for (int k = 0; k < hc; ++k) s[k] += eps;
+    for (int j = 0; j < hc; ++j)
+      for (int k = 0; k < hc; ++k) c[j * hc + k] /= s[k];
+    sinkhorn_row(c, hc, eps, iters);
+  }
+}
+
+void mhc_collapse(const void* h, int h_bf16, const float* pre, int64_t T, int hc, int64_t D, void* out) {
+  float acc[256];
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d0 = 0; d0 < D; d0 += 256) {
+      const int64_t n = D - d0 < 256 ? D - d0 : 256;
+      for (int64_t i = 0; i < n; ++i) acc[i] = 0.0f;
+      for (int j = 0; j < hc; ++j) {
+        const float p = pre[t * hc + j];
+        const int64_t base = (t * hc + j) * D + d0;
+        if (h_bf16) {
+          const uint16_t* hp = static_cast<const uint16_t*>(h) + base;
+          for (int64_t i = 0; i < n; ++i) acc[i] += p * bf16_to_f32(hp[i]);
+        } else {
+          const float* hp = static_cast<const float*>(h) + base;
+          for (int64_t i = 0; i < n; ++i) acc[i] += p * hp[i];
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) store(out, h_bf16, t * D + d0 + i, acc[i]);
+    }
+  }
+}
+
+void mhc_expand(const void* h, const void* y, int h_bf16, const float* post, const float* comb, int64_t T,
+                int hc, int64_t D, void* out) {
+  float hv[16][256];
+  float acc[256];
+  float yv[256];
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = comb + t * hc * hc;
+    for (int64_t d0 = 0; d0 < D; d0 += 256) {
+      const int64_t n = D - d0 < 256 ? D - d0 : 256;
+      for (int j = 0; j < hc; ++j)
+        for (int64_t i = 0; i < n; ++i) hv[j][i] = load(h, h_bf16, (t * hc + j) * D + d0 + i);
+      for (int64_t i = 0; i < n; ++i) yv[i] = load(y, h_bf16, t * D + d0 + i);
+      for (int k = 0; k < hc; ++k) {
+        for (int64_t i = 0; i < n; ++i) acc[i] = 0.0f;
+        for (int j = 0; j < hc; ++j) {
+          const float cj = c[j * hc + k];
+          for (int64_t i = 0; i < n; ++i) acc[i] = fmaf(cj, hv[j][i], acc[i]);
+        }
+        const float pk = post[t * hc + k];
+        for (int64_t i = 0; i < n; ++i) {
+          const float py = pk * yv[i];
+          store(out, h_bf16, (t * hc + k) * D + d0 + i, acc[i] + py);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

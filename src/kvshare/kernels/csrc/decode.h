@@ -1,0 +1,30 @@
+// Decode-step kernels outside the GEMMs (decode.cpp): mHC mixes, collapse and expand for whole
+// rows, one call per sublayer piece. fp32 arithmetic in the order torch's ops use for these
+// shapes (no torch headers); each row is computed from its own inputs only, so a row's bits
+// never depend on the other rows of the call.
+#pragma once
+#include <stdint.h>
+
+namespace kvshare_kernels {
+
+// mHC step 2-3 from the mixes m [T][ld] (fp32): pre [T][hc], post [T][hc], comb [T][hc][hc].
+// pre = sigmoid(m[:hc] s0 + b[:hc]) + eps; post = 2 sigmoid(m[hc:2hc] s1 + b[hc:2hc]);
+// comb = softmax over k of (m[2hc:] s2 + b[2hc:]) as [j][k] (exp(z - max) * (1 / sum)), + eps,
+// then column-normalised and (iters - 1) x (row, column) Sinkhorn divisions, each sum in
+// increasing index order from 0; sigmoid(z) = 1 / (1 + exp(0 - z)); exp: SLEEF's expf (u10).
+void mhc_post(const float* m, int64_t T, int64_t ld, const float* base, const float* scale, int hc,
+              float eps, int iters, float* pre, float* post, float* comb);
+
+// Only the Sinkhorn divisions (in place on comb [T][hc][hc]): (iters - 1) x (rows, columns).
+void sinkhorn(float* comb, int64_t T, int hc, float eps, int iters);
+
+// Collapse x[t][d] = sum_j pre[t][j] * h[t][j][d]: each product rounded to fp32, summed from +0
+// in increasing j, then stored as bf16 (round to nearest even) or fp32. h: bf16 or fp32.
+void mhc_collapse(const void* h, int h_bf16, const float* pre, int64_t T, int hc, int64_t D, void* out);
+
+// Expand out[t][k][d] = (fma chain over j = 0.. of comb[t][j][k] * h[t][j][d] from +0)
+// + round(post[t][k] * y[t][d]), stored in h's dtype. h, y: bf16 (h_bf16) or fp32.
+void mhc_expand(const void* h, const void* y, int h_bf16, const float* post, const float* comb, int64_t T,
+                int hc, int64_t D, void* out);
+
+}  // namespace kvshare_kernels

@@ -1,0 +1,87 @@
+"""The native decode-step kernels outside the GEMMs (csrc/decode.cpp), with the switch that selects them.
+
+Each kernel computes every row from that row's inputs alone, in one call for all rows of a step
+(no per-row Python, no host sync), so it keeps the batch-invariance contract of `ops/invariant.py`.
+The model uses them inside a batch-invariant forward (`model/mhc.py`), where the torch code they
+replace stays the reference and the fallback:
+
+* `mhc_post`: mHC pre / post / comb from the mixes, the same bits as `hc_pre_of` + `hc_post_comb`:
+  exp is SLEEF's vector expf (exported by libtorch_cpu), which torch's vectorised sigmoid and
+  softmax call; sigmoid = 1 / (1 + exp(0 - z)); softmax = exp(z - max) * (1 / sequential sum);
+  Sinkhorn sums in increasing index order from 0, + eps, divide.
+* `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
+  rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
+  batched product does, plus the rounded ``post * y``).
+
+`enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
+``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
+callers then run the torch code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvshare.kernels.build import best_isa, library
+
+_SWITCH: dict[str, bool | None] = {"on": None}
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force the native decode kernels on / off for this process (None: back to the environment)."""
+    _SWITCH["on"] = on
+
+
+def enabled() -> bool:
+    """Whether the model runs the native decode kernels (see module doc)."""
+    forced = _SWITCH["on"]
+    if forced is False:
+        return False
+    if forced is None and os.environ.get("KVSHARE_NATIVE_DECODE", "").lower() in ("off", "0", "torch"):
+        return False
+    return best_isa() != "torch"
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels are on and take these tensors (CPU, bf16 / fp32, no autograd)."""
+    if not enabled():
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if t.requires_grad and torch.is_grad_enabled():
+            return False
+    return True
+
+
+def _lib():
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kernels.decode: the native library is unavailable (check kernels.decode.enabled())")
+    return lib
+
+
+def mhc_post(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, hc_eps: float,
+             iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 from mixes m [T, (2 + hc) hc] (spec §7.1 steps 2-3)."""
+    return tuple(_lib().mhc_post(m.contiguous(), base.float().contiguous(), scale.float().contiguous(), hc,
+                                 hc_eps, iters))  # type: ignore[return-value]
+
+
+def sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """The (iters - 1) Sinkhorn row / column divisions in place on comb [T, hc, hc] fp32 (contiguous)."""
+    _lib().sinkhorn_(comb, hc_eps, iters)
+    return comb
+
+
+def mhc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, D] in h's dtype: sum_j pre[:, j] h[:, j] accumulated in fp32."""
+    return _lib().mhc_collapse(h.contiguous(), pre.float().contiguous())
+
+
+def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """[T, hc, D] in h's dtype: post_k y + sum_j comb[j, k] h_j in fp32."""
+    return _lib().mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
+                             comb.float().contiguous())
