@@ -1,0 +1,168 @@
+"""Native decode kernels (kvshare/kernels/decode.py, csrc/decode.cpp) against the torch path.
+
+Each kernel is compared with the torch code it replaces in the model (`model/mhc.py` with the
+native kernels switched off), which is the reference: the same bits are asserted, because the
+kernels do the same operations in the same order (SLEEF's expf for torch's vector sigmoid /
+softmax, sequential sums, the fma chain of torch's batched product for expand). Then whole
+forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, give bitwise the
+same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
+equals that row alone.
+
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): glibc
+``expf`` instead of SLEEF's (pre / post / comb 1 ulp off on some rows); the softmax sum as a tree
+((a0 + a2) + (a1 + a3)) or a division by the sum instead of the reciprocal product (comb differs;
+emulated in torch first: 2,025 / 1,399 of 8,000 values); expand with rounded products instead of
+the fma chain (3,598 of 9,216 values differ). Not distinguishable here: collapse from +0 vs from the
+first product (they differ only for a product of -0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.config import load_config
+from kvshare.kernels import decode as native
+from kvshare.model import Transformer
+from kvshare.model import mhc
+from kvshare.model.dense_cache import DenseCache
+from kvshare.ops import invariant
+from kvshare.runtime import StepBatch
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
+
+ROWS = (1, 2, 7, 8, 33)
+
+
+def _torch_path():
+    """The reference: model/mhc.py with the native kernels off, inside a batch-invariant forward."""
+    class _Ctx:
+        def __enter__(self):
+            native.set_enabled(False)
+            self.inv = invariant.active(True)
+            self.inv.__enter__()
+
+        def __exit__(self, *exc):
+            self.inv.__exit__(*exc)
+            native.set_enabled(None)
+
+    return _Ctx()
+
+
+def _mixes(t: int, hc: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(t, (2 + hc) * hc, generator=g) * 3
+    return m, torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("hc", [4, 3])
+@pytest.mark.parametrize("t", ROWS)
+def test_mhc_post_gives_the_bits_of_the_torch_mix(t: int, hc: int) -> None:
+    m, base, scale = _mixes(t, hc, 10 * t + hc)
+    pre, post, comb = native.mhc_post(m, base, scale, hc, 1e-6, 20)
+    with _torch_path():
+        want_pre = mhc.hc_pre_of(m, base, scale, hc, 1e-6)
+        want_post, want_comb = mhc.hc_post_comb(m, base, scale, hc, 1e-6, 20)
+    assert torch.equal(pre, want_pre) and torch.equal(post, want_post) and torch.equal(comb, want_comb)
+    # not a trivial comb: Sinkhorn ended on a column division by (sum + eps), so columns sum to
+    # 1 - O(eps) (observed 1.1e-6 off), and brought the rows near 1 (observed within 0.03 after
+    # 20 iterations on these mixes)
+    assert (comb.sum(-2) - 1).abs().max() < 3e-6 and (comb.sum(-1) - 1).abs().max() < 0.1
+
+
+def test_sinkhorn_gives_the_bits_of_the_numpy_loop() -> None:
+    m, _, _ = _mixes(33, 4, 5)
+    comb = torch.softmax(m[:, 8:].reshape(33, 4, 4), -1) + 1e-6
+    want = mhc._sinkhorn_numpy(comb.clone(), 1e-6, 20)
+    assert torch.equal(native.sinkhorn_(comb.clone(), 1e-6, 20), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [101, 768, 300])
+def test_collapse_and_expand_give_the_bits_of_the_torch_ones(dtype: torch.dtype, d: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    t, hc = 33, 4
+    h = torch.randn(t, hc, d, generator=g).to(dtype)
+    y = torch.randn(t, d, generator=g).to(dtype)
+    pre, post, comb = native.mhc_post(*_mixes(t, hc, d), hc, 1e-6, 20)
+    with _torch_path():
+        want_x, want_h = mhc.hc_collapse(h, pre), mhc.hc_expand(h, y, post, comb)
+    for n in ROWS:  # every call size gives each row the bits of the torch path's whole call
+        assert torch.equal(native.mhc_collapse(h[:n], pre[:n]), want_x[:n]), n
+        assert torch.equal(native.mhc_expand(h[:n], y[:n], post[:n], comb[:n]), want_h[:n]), n
+    # and the torch path is the formula (fp32 sums of 4 terms; observed max error 0 / 1 bf16 ulp)
+    exact_x = (pre.double().unsqueeze(-1) * h.double()).sum(1)
+    assert (want_x.double() - exact_x).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-6) * exact_x.abs().max()
+
+
+def test_bad_inputs_name_the_argument() -> None:
+    m, base, scale = _mixes(2, 4, 0)
+    with pytest.raises(RuntimeError, match="hc must be in"):
+        native.mhc_post(m, base, scale, 17, 1e-6, 20)
+    with pytest.raises(RuntimeError, match="kernels.mhc_post: m must be"):
+        native.mhc_post(m[:, :10], base, scale, 4, 1e-6, 20)
+    h = torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="mhc_collapse: h .* and pre"):
+        native.mhc_collapse(h, torch.zeros(3, 4))
+    with pytest.raises(RuntimeError, match="h must be bf16 or fp32"):
+        native.mhc_collapse(h.double(), torch.zeros(2, 4))
+
+
+def test_the_switch_selects_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSHARE_NATIVE_DECODE", "off")
+    assert not native.enabled()
+    monkeypatch.delenv("KVSHARE_NATIVE_DECODE")
+    assert native.enabled()
+    native.set_enabled(False)
+    try:
+        assert not native.enabled()
+    finally:
+        native.set_enabled(None)
+
+
+def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on: bool) -> list[torch.Tensor]:
+    """Prefill every prompt in one step, then decode `decode_steps` steps of the whole batch (the
+    argmax token appended), with the native kernels `on` or off; the logits of every step."""
+    native.set_enabled(on)
+    try:
+        n = len(prompts)
+        cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + decode_steps + 1,
+                           dtype=next(model.parameters()).dtype)
+        out = []
+        seqs = [list(p) for p in prompts]
+        starts, lens = [0] * n, [len(p) for p in prompts]
+        ids = [t for p in prompts for t in p]
+        with torch.inference_mode():
+            for _ in range(decode_steps + 1):
+                ends = [sum(lens[:i + 1]) - 1 for i in range(n)]
+                batch = StepBatch.build(starts, lens, list(range(n)), logit_rows=ends)
+                x = model(torch.tensor(ids), batch, cache)
+                out.append(x)
+                nxt = x.argmax(-1).tolist()
+                for i in range(n):
+                    seqs[i].append(nxt[i])
+                starts = [len(s) - 1 for s in seqs]
+                lens = [1] * n
+                ids = nxt
+        return out
+    finally:
+        native.set_enabled(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype, n_seq: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Transformer(load_config(name), quant=False).init_weights(7).eval().to(dtype)
+    model.batch_invariant = True
+    g = torch.Generator().manual_seed(n_seq)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (int(n),), generator=g).tolist() for n in (21, 9, 14)[:n_seq]]
+    ref = _logits(model, prompts, 4, on=False)
+    calls = []
+    real = native.mhc_expand
+    monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
+    got = _logits(model, prompts, 4, on=True)
+    assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert torch.equal(a, b), step
