@@ -8,7 +8,8 @@ forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, g
 same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
 equals that row alone.
 
-Mutations caught (run while writing the kernels, each failed the bitwise comparison): glibc
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): RoPE with
+its first product fused into the add (fmaf: the fp32 rope tests fail); glibc
 ``expf`` instead of SLEEF's (pre / post / comb 1 ulp off on some rows); the softmax sum as a tree
 ((a0 + a2) + (a1 + a3)) or a division by the sum instead of the reciprocal product (comb differs;
 emulated in torch first: 2,025 / 1,399 of 8,000 values); expand with rounded products instead of
@@ -166,3 +167,32 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
     for step, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 8, 128), (7, 3, 40), (33, 64)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_gives_the_bits_of_the_torch_rotation(dtype: torch.dtype, shape: tuple[int, ...], inverse: bool) -> None:
+    from kvshare.model.rope import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(sum(shape))
+    rope = RotaryEmbedding(shape[-1] // 2 if shape[-1] != 40 else 16, 160000.0, None)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    pos = torch.randint(0, 5000, (shape[0],), generator=g)
+    with _torch_path():
+        want = rope.rotate(x, pos, inverse=inverse)
+    with invariant.active(True):
+        got = rope.rotate(x, pos, inverse=inverse)
+        assert torch.equal(got, want)
+        y = x.clone()
+        assert rope.rotate(y, pos, inverse=inverse, inplace=True) is y and torch.equal(y, want)
+    # the rotation itself: the complex product in float64 at the module's fp32 angles (observed
+    # max error / max |output| 2.7e-3 bf16 (the output's rounding), 9.5e-8 fp32)
+    rd = rope.rope_dim
+    ang = (pos.float()[:, None] * rope.freqs64.float()).double() * (-1 if inverse else 1)
+    ang = ang.view(shape[0], *([1] * (len(shape) - 2)), rd // 2)
+    a, b = x[..., -rd::2].double(), x[..., -rd + 1::2].double()
+    exact = torch.stack([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], -1).flatten(-2)
+    tol = 4e-3 if dtype == torch.bfloat16 else 2e-7
+    assert (got[..., -rd:].double() - exact).abs().max() <= tol * exact.abs().max()
+    assert torch.equal(got[..., :-rd], x[..., :-rd])

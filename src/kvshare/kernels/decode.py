@@ -9,6 +9,8 @@ replace stays the reference and the fallback:
   exp is SLEEF's vector expf (exported by libtorch_cpu), which torch's vectorised sigmoid and
   softmax call; sigmoid = 1 / (1 + exp(0 - z)); softmax = exp(z - max) * (1 / sequential sum);
   Sinkhorn sums in increasing index order from 0, + eps, divide.
+* `rope`: the rotation of `model/rope.py` (the same bits: each product rounded, then the sum,
+  then the cast) from its per-position (C, S) tables, in one call instead of six ops.
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
@@ -85,3 +87,9 @@ def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     """[T, hc, D] in h's dtype: post_k y + sum_j comb[j, k] h_j in fp32."""
     return _lib().mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
                              comb.float().contiguous())
+
+
+def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
+    fp32 (`RotaryEmbedding.pair_tables`); overwrites x when `inplace`."""
+    return _lib().rope(x, c.contiguous(), s.contiguous(), inplace)

@@ -146,11 +146,30 @@ static torch::Tensor mhc_expand(torch::Tensor h, torch::Tensor y, torch::Tensor 
   return out;
 }
 
+// RoPE on the last rd dims of x [P, ..., D] with tables c, s [P, rd] fp32 (decode.h); in place when asked.
+static torch::Tensor rope(torch::Tensor x, torch::Tensor c, torch::Tensor s, bool inplace) {
+  check_stream_dtype(x, "x");
+  check_rows(c, "c", torch::kFloat32);
+  check_rows(s, "s", torch::kFloat32);
+  TORCH_CHECK(x.dim() >= 1 && c.dim() == 2 && s.sizes() == c.sizes(), "kernels.rope: c and s must be [P, rd], got ",
+              c.sizes(), " and ", s.sizes());
+  const int64_t d = x.size(-1), p = c.size(0), rd = c.size(1);
+  TORCH_CHECK(rd % 2 == 0 && rd <= d, "kernels.rope: rope dims ", rd, " must be even and <= the last dim ", d);
+  TORCH_CHECK(p > 0 ? x.numel() % (p * d) == 0 && x.size(0) == p : x.numel() == 0,
+              "kernels.rope: x ", x.sizes(), " does not start with the ", p, " positions of the tables");
+  auto out = inplace ? x : torch::empty_like(x);
+  if (x.numel() == 0) return out;
+  kk::rope(x.data_ptr(), x.scalar_type() == torch::kBFloat16, c.data_ptr<float>(), s.data_ptr<float>(), p,
+           x.numel() / (p * d), d, rd, out.data_ptr());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
   mod.def("sinkhorn_", &sinkhorn_, "mHC Sinkhorn divisions in place (decode.h)");
   mod.def("mhc_collapse", &mhc_collapse, "mHC collapse of the streams (decode.h)");
   mod.def("mhc_expand", &mhc_expand, "mHC expand of a sublayer output into the streams (decode.h)");
+  mod.def("rope", &rope, "interleaved RoPE on the trailing dims with per-position tables (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

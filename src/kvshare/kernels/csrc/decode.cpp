@@ -180,3 +180,28 @@ void mhc_expand(const void* h, const void* y, int h_bf16, const float* post, con
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+void rope(const void* x, int bf16, const float* c, const float* s, int64_t P, int64_t inner, int64_t D,
+          int64_t rd, void* out) {
+  const int64_t lead = D - rd;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* cp = c + p * rd;
+    const float* sp = s + p * rd;
+    for (int64_t h = 0; h < inner; ++h) {
+      const int64_t row = (p * inner + h) * D;
+      if (out != x)
+        for (int64_t i = 0; i < lead; ++i) store(out, bf16, row + i, load(x, bf16, row + i));
+      for (int64_t i = 0; i < rd; i += 2) {
+        const float a = load(x, bf16, row + lead + i), b = load(x, bf16, row + lead + i + 1);
+        const float ac = a * cp[i], bs = b * sp[i];
+        const float bc = b * cp[i + 1], as = a * sp[i + 1];
+        store(out, bf16, row + lead + i, ac + bs);
+        store(out, bf16, row + lead + i + 1, bc + as);
+      }
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

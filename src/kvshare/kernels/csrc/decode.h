@@ -28,3 +28,15 @@ void mhc_expand(const void* h, const void* y, int h_bf16, const float* post, con
                 int hc, int64_t D, void* out);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// Interleaved RoPE on the last rd dims of x [P][inner][D] (bf16 or fp32), in place or into out
+// (out may equal x; dims before the tail are copied when it does not): per pair (a, b) at
+// 2i, 2i + 1 of the tail, with the per-position tables c, s [P][rd] (fp32):
+// out[2i] = round(a c[2i] + round(b s[2i])), out[2i + 1] = round(b c[2i + 1] + round(a s[2i + 1])),
+// each product rounded to fp32 first, the sum rounded to fp32, then stored in x's dtype.
+void rope(const void* x, int bf16, const float* c, const float* s, int64_t P, int64_t inner, int64_t D,
+          int64_t rd, void* out);
+
+}  // namespace kvshare_kernels
