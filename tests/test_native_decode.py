@@ -8,7 +8,8 @@ forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, g
 same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
 equals that row alone.
 
-Mutations caught (run while writing the kernels, each failed the bitwise comparison): RoPE with
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): the compressor
+pooling summed sequentially instead of torch's cascade (the 128- to 300-slot pooling tests fail); RoPE with
 its first product fused into the add (fmaf: the fp32 rope tests fail); glibc
 ``expf`` instead of SLEEF's (pre / post / comb 1 ulp off on some rows); the softmax sum as a tree
 ((a0 + a2) + (a1 + a3)) or a division by the sum instead of the reciprocal product (comb differs;
@@ -121,6 +122,22 @@ def test_the_switch_selects_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> N
         native.set_enabled(None)
 
 
+def _config(name: str):
+    """A shipped tiny config; ``NAME/64``: with 64-wide heads and index keys (the compressor pooling
+    kernel serves dims that are multiples of 64)."""
+    import json
+
+    from kvshare.config import ModelConfig
+    from kvshare.shipped import resolve_config_path
+
+    base, _, wide = name.partition("/")
+    if not wide:
+        return load_config(base)
+    raw = json.loads(resolve_config_path(base).read_text())
+    raw.update(head_dim=int(wide), index_head_dim=int(wide))
+    return ModelConfig.from_dict(raw)
+
+
 def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on: bool) -> list[torch.Tensor]:
     """Prefill every prompt in one step, then decode `decode_steps` steps of the whole batch (the
     argmax token appended), with the native kernels `on` or off; the logits of every step."""
@@ -151,20 +168,22 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41", "tiny-v4/64", "tiny-v41/64"])
 @pytest.mark.parametrize("n_seq", [1, 3])
 def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype, n_seq: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    model = Transformer(load_config(name), quant=False).init_weights(7).eval().to(dtype)
+    model = Transformer(_config(name), quant=False).init_weights(7).eval().to(dtype)
     model.batch_invariant = True
     g = torch.Generator().manual_seed(n_seq)
     prompts = [torch.randint(0, model.cfg.vocab_size, (int(n),), generator=g).tolist() for n in (21, 9, 14)[:n_seq]]
     ref = _logits(model, prompts, 4, on=False)
-    calls = []
-    real = native.mhc_expand
+    calls, pools = [], []
+    real, real_pool = native.mhc_expand, native.compress_pool
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
     got = _logits(model, prompts, 4, on=True)
     assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
+    assert bool(pools) == name.endswith("/64")  # the compressor pooling where its dims allow
     for step, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), step
 
@@ -196,3 +215,46 @@ def test_rope_gives_the_bits_of_the_torch_rotation(dtype: torch.dtype, shape: tu
     tol = 4e-3 if dtype == torch.bfloat16 else 2e-7
     assert (got[..., -rd:].double() - exact).abs().max() <= tol * exact.abs().max()
     assert torch.equal(got[..., :-rd], x[..., :-rd])
+
+
+def _torch_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool) -> torch.Tensor:
+    """`Compressor.forward`'s pooling written as the torch path has it."""
+    w = (2 if overlap else 1) * d
+    kv, score = hist[..., :w], hist[..., w:]
+    if overlap:
+        r = hist.shape[1] // 2
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+        score = torch.cat([score[:, :r, :d], score[:, r:, d:]], dim=1)
+    if valid is not None:
+        score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
+    return (torch.softmax(score, dim=1) * kv).sum(dim=1)
+
+
+@pytest.mark.parametrize("slots,d,overlap", [(8, 128, True), (128, 128, False), (2, 64, False), (256, 64, True),
+                                             (37, 192, False), (300, 64, False), (4, 512, False)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_compress_pool_gives_the_bits_of_the_torch_pooling(slots: int, d: int, overlap: bool, masked: bool) -> None:
+    g = torch.Generator().manual_seed(slots + d)
+    t = 7
+    hist = torch.randn(t, slots, 2 * (2 if overlap else 1) * d, generator=g) * 2
+    valid = None
+    if masked:  # a prompt's first groups: the slots before position 0 take no weight
+        valid = torch.arange(slots).unsqueeze(0) >= torch.randint(0, slots, (t, 1), generator=g)
+    want = _torch_pool(hist, valid, d, overlap)
+    for n in (1, t):
+        got = native.compress_pool(hist[:n], None if valid is None else valid[:n], d, overlap, torch.float32)
+        assert torch.equal(got, want[:n]), n
+    bf = native.compress_pool(hist, valid, d, overlap, torch.bfloat16)
+    assert torch.equal(bf, want.to(torch.bfloat16))
+    # and the torch pooling is the formula (float64 softmax-weighted mean; observed max error 6e-7)
+    w = (2 if overlap else 1) * d
+    h64 = hist.double()
+    sel = [torch.arange(d) + (d if overlap and s >= slots // 2 else 0) for s in range(slots)]
+    kv = torch.stack([h64[:, s, sel[s]] for s in range(slots)], 1)
+    sc = torch.stack([h64[:, s, w + sel[s]] for s in range(slots)], 1)
+    if valid is not None:
+        sc = sc.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
+    exact = (torch.softmax(sc, 1) * kv).sum(1)
+    assert (want.double() - exact).abs().max() <= 4e-6

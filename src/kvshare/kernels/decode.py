@@ -11,6 +11,9 @@ replace stays the reference and the fallback:
   Sinkhorn sums in increasing index order from 0, + eps, divide.
 * `rope`: the rotation of `model/rope.py` (the same bits: each product rounded, then the sum,
   then the cast) from its per-position (C, S) tables, in one call instead of six ops.
+* `compress_pool`: a compressor's softmax pooling over its history slots (`model/compressor.py`),
+  the same bits as ``(torch.softmax(score, dim=1) * kv).sum(dim=1)``: SLEEF exp, the softmax's
+  sequential sum and division, and the cascade torch's sum kernel uses over the slots.
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
@@ -93,3 +96,10 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> to
     """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
     fp32 (`RotaryEmbedding.pair_tables`); overwrites x when `inplace`."""
     return _lib().rope(x, c.contiguous(), s.contiguous(), inplace)
+
+
+def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[T, d] in `dtype`: softmax over the slots of the scores times the kv rows, from a compressor's
+    history hist [T, S, 2 coff d] fp32 (see `model/compressor.py`); `valid` [T, S] masks slots."""
+    return _lib().compress_pool(hist.contiguous(), None if valid is None else valid.contiguous(), d, overlap, dtype)

@@ -164,6 +164,29 @@ static torch::Tensor rope(torch::Tensor x, torch::Tensor c, torch::Tensor s, boo
   return out;
 }
 
+// Compressor pooling (decode.h) of hist [T, S, 2W] fp32 with an optional valid mask [T, S] (bool).
+static torch::Tensor compress_pool(torch::Tensor hist, c10::optional<torch::Tensor> valid, int64_t d, bool overlap,
+                                   torch::ScalarType out_dtype) {
+  check_rows(hist, "hist", torch::kFloat32);
+  const int64_t w = (overlap ? 2 : 1) * d;
+  TORCH_CHECK(hist.dim() == 3 && hist.size(2) == 2 * w && d > 0, "kernels.compress_pool: hist must be [T, S, ", 2 * w,
+              "], got ", hist.sizes());
+  const int64_t t = hist.size(0), s = hist.size(1);
+  TORCH_CHECK(s >= 1 && s <= 1024 && (!overlap || s % 2 == 0), "kernels.compress_pool: slots ", s,
+              " must be in [1, 1024] (even with overlap)");
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.compress_pool: out dtype must be bf16 or fp32");
+  const uint8_t* vp = nullptr;
+  if (valid.has_value()) {
+    check_rows(*valid, "valid", torch::kBool);
+    TORCH_CHECK(valid->dim() == 2 && valid->size(0) == t && valid->size(1) == s, "kernels.compress_pool: valid must be [",
+                t, ", ", s, "], got ", valid->sizes());
+    vp = reinterpret_cast<const uint8_t*>(valid->data_ptr<bool>());
+  }
+  auto out = torch::empty({t, d}, hist.options().dtype(out_dtype));
+  kk::compress_pool(hist.data_ptr<float>(), vp, t, s, d, overlap ? 1 : 0, out_dtype == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -171,5 +194,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("mhc_collapse", &mhc_collapse, "mHC collapse of the streams (decode.h)");
   mod.def("mhc_expand", &mhc_expand, "mHC expand of a sublayer output into the streams (decode.h)");
   mod.def("rope", &rope, "interleaved RoPE on the trailing dims with per-position tables (decode.h)");
+  mod.def("compress_pool", &compress_pool, "compressor softmax pooling over a group's slots (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

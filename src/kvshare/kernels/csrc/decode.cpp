@@ -205,3 +205,74 @@ void rope(const void* x, int bf16, const float* c, const float* s, int64_t P, in
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+namespace {
+
+constexpr int64_t POOL_MAX_SLOTS = 1024;
+
+// torch's cascade sum over n values (SumKernel's multi_row_sum, 4 levels): level 0 sums blocks of
+// 2^p values from 0 (p = max(4, ceil(log2 n) / 4)); a full block is carried up while the index is
+// a multiple of the next level's span; the rest sums into level 0; levels are added in order.
+inline __m256 cascade_sum8(const __m256* v, int64_t n) {
+  int ceil_log2 = 0;
+  while ((int64_t(1) << ceil_log2) < n) ++ceil_log2;
+  const int p = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4;
+  const int64_t step = int64_t(1) << p, mask = step - 1;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  while (i + step <= n) {
+    for (int64_t j = 0; j < step; ++j, ++i) acc[0] = _mm256_add_ps(acc[0], v[i]);
+    for (int j = 1; j < 4; ++j) {
+      acc[j] = _mm256_add_ps(acc[j], acc[j - 1]);
+      acc[j - 1] = _mm256_setzero_ps();
+      if (i & (mask << (j * p))) break;
+    }
+  }
+  for (; i < n; ++i) acc[0] = _mm256_add_ps(acc[0], v[i]);
+  for (int j = 1; j < 4; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
+  return acc[0];
+}
+
+}  // namespace
+
+void compress_pool(const float* hist, const uint8_t* valid, int64_t T, int64_t S, int64_t d, int overlap,
+                   int out_bf16, void* out) {
+  const int64_t W = (overlap ? 2 : 1) * d;
+  __m256 e[POOL_MAX_SLOTS];
+  alignas(32) float buf[8];
+  for (int64_t t = 0; t < T; ++t) {
+    const float* ht = hist + t * S * 2 * W;
+    const uint8_t* vt = valid ? valid + t * S : nullptr;
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      const int64_t nc = d - c0 < 8 ? d - c0 : 8;
+      const __m256i lane_ok = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nc)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      auto at = [&](int64_t s, int64_t base) {
+        const float* src = ht + s * 2 * W + base + ((overlap && s >= S / 2) ? d : 0) + c0;
+        return _mm256_maskload_ps(src, lane_ok);
+      };
+      const __m256 ninf = _mm256_set1_ps(-INFINITY);
+      __m256 mx = ninf;
+      for (int64_t s = 0; s < S; ++s) {
+        const __m256 z = (vt && !vt[s]) ? ninf : at(s, W);
+        e[s] = z;
+        mx = _mm256_max_ps(mx, z);
+      }
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t s = 0; s < S; ++s) {
+        e[s] = Sleef_expf8_u10(_mm256_sub_ps(e[s], mx));
+        sum = _mm256_add_ps(sum, e[s]);
+      }
+      for (int64_t s = 0; s < S; ++s) {
+        const __m256 kv = (vt && !vt[s]) ? _mm256_setzero_ps() : at(s, 0);
+        e[s] = _mm256_mul_ps(_mm256_div_ps(e[s], sum), kv);
+      }
+      _mm256_store_ps(buf, cascade_sum8(e, S));
+      for (int64_t i = 0; i < nc; ++i) store(out, out_bf16, t * d + c0 + i, buf[i]);
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

@@ -40,3 +40,17 @@ void rope(const void* x, int bf16, const float* c, const float* s, int64_t P, in
           int64_t rd, void* out);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// Compressor pooling (model/compressor.py): for each row t and channel c < d, over the S slots of
+// the row's history hist [T][S][2W] (W = coff * d: kv in [0, W), score in [W, 2W)): slot s reads
+// channel off(s) + c with off(s) = (overlap && s >= S / 2) ? d : 0; an invalid slot (valid[t][s] == 0,
+// valid may be null) has score -inf and kv 0. out[t][c] = sum_s softmax_s(score)[s] * kv[s], with
+// torch's orders: softmax over s = exp(z - max) / (sequential sum from 0); the weighted sum is
+// torch's cascade over s (blocks of 2^max(4, ceil(log2 S) / 4) summed from 0, block sums added
+// in order); stored in bf16 (out_bf16) or fp32.
+void compress_pool(const float* hist, const uint8_t* valid, int64_t T, int64_t S, int64_t d, int overlap,
+                   int out_bf16, void* out);
+
+}  // namespace kvshare_kernels
