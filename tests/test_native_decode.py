@@ -122,6 +122,13 @@ def test_the_switch_selects_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> N
         native.set_enabled(None)
 
 
+def _model_and_prompts(name: str, dtype: torch.dtype, n_seq: int) -> tuple[Transformer, list[list[int]]]:
+    model = Transformer(_config(name), quant=False).init_weights(7).eval().to(dtype)
+    model.batch_invariant = True
+    g = torch.Generator().manual_seed(n_seq)
+    return model, [torch.randint(0, model.cfg.vocab_size, (int(n),), generator=g).tolist() for n in (21, 9, 14)[:n_seq]]
+
+
 def _config(name: str):
     """A shipped tiny config; ``NAME/64``: with 64-wide heads and index keys (the compressor pooling
     kernel serves dims that are multiples of 64)."""
@@ -138,10 +145,12 @@ def _config(name: str):
     return ModelConfig.from_dict(raw)
 
 
-def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on: bool) -> list[torch.Tensor]:
+def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on: bool, attention: bool = False,
+            feed: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Prefill every prompt in one step, then decode `decode_steps` steps of the whole batch (the
-    argmax token appended), with the native kernels `on` or off; the logits of every step."""
-    native.set_enabled(on)
+    argmax token appended, or the argmax of `feed`'s logits of that step), with the native kernels
+    `on` or off (and the native attention as `attention` says); the logits of every step."""
+    native.set_enabled(on, attention=on and attention)
     try:
         n = len(prompts)
         cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + decode_steps + 1,
@@ -156,7 +165,7 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
                 batch = StepBatch.build(starts, lens, list(range(n)), logit_rows=ends)
                 x = model(torch.tensor(ids), batch, cache)
                 out.append(x)
-                nxt = x.argmax(-1).tolist()
+                nxt = (x if feed is None else feed[len(out) - 1]).argmax(-1).tolist()
                 for i in range(n):
                     seqs[i].append(nxt[i])
                 starts = [len(s) - 1 for s in seqs]
@@ -172,10 +181,8 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
 @pytest.mark.parametrize("n_seq", [1, 3])
 def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype, n_seq: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    model = Transformer(_config(name), quant=False).init_weights(7).eval().to(dtype)
-    model.batch_invariant = True
-    g = torch.Generator().manual_seed(n_seq)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (int(n),), generator=g).tolist() for n in (21, 9, 14)[:n_seq]]
+    """Every exact kernel on (the native attention off): the torch path's logits, bit for bit."""
+    model, prompts = _model_and_prompts(name, dtype, n_seq)
     ref = _logits(model, prompts, 4, on=False)
     calls, pools = [], []
     real, real_pool = native.mhc_expand, native.compress_pool
@@ -258,3 +265,55 @@ def test_compress_pool_gives_the_bits_of_the_torch_pooling(slots: int, d: int, o
         kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     exact = (torch.softmax(sc, 1) * kv).sum(1)
     assert (want.double() - exact).abs().max() <= 4e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41", "tiny-v4/64"])
+def test_native_attention_stays_near_the_torch_logits_and_keeps_greedy(name: str, dtype: torch.dtype,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel on, the native attention included (its own summation order): the logits of
+    prefill and decode steps stay within a bound of the torch path's, with the same greedy tokens."""
+    model, prompts = _model_and_prompts(name, dtype, 3)
+    ref = _logits(model, prompts, 6, on=False)
+    calls = []
+    real = native.sparse_attention
+    monkeypatch.setattr(native, "sparse_attention", lambda *a: calls.append(1) or real(*a))
+    got = _logits(model, prompts, 6, on=True, attention=True, feed=ref)
+    assert len(calls) >= 7 * model.cfg.num_hidden_layers  # every layer of every step (HCA: per bucket)
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, ref))
+    # observed max |native - torch| / max |logit|: fp32 1.3e-6 / 1.5e-6 / 8.6e-7 (tiny-v4, tiny-v41,
+    # tiny-v4/64); bf16 0 / 0 / 7.5e-3 (one bf16 rounding of an attention output flipped)
+    assert worst <= (2e-2 if dtype == torch.bfloat16 else 4e-6)
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,m2", [(64, 40), (5, 0), (16, 300)])
+def test_sparse_attention_kernel_against_the_formula(dtype: torch.dtype, m: int, m2: int) -> None:
+    """The kernel against the spec's formula in float64 and against the torch op (bounded: the
+    summation orders differ); a row with no valid key gives 0; rows do not depend on the call."""
+    from kvshare.ops.sparse_attention import sparse_attention
+
+    g = torch.Generator().manual_seed(m + m2)
+    t, h, d = 6, 8, 64
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    k1, k2 = torch.randn(t, m, d, generator=g).to(dtype), torch.randn(t, m2, d, generator=g).to(dtype)
+    v1, v2 = torch.rand(t, m, generator=g) > 0.3, torch.rand(t, m2, generator=g) > 0.5
+    v1[0], v2[0] = False, False  # row 0 attends nothing but its sink
+    sink = torch.randn(h, generator=g)
+    got = native.sparse_attention(q, k1, v1, sink, d**-0.5, k2, v2)
+    keys, valid = torch.cat([k1, k2], 1), torch.cat([v1, v2], 1)
+    s = torch.einsum("thd,tmd->thm", q.double(), keys.double()) * d**-0.5
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    mx = torch.maximum(s.amax(-1), sink.double().expand(t, -1))
+    p = torch.exp(s - mx.unsqueeze(-1))
+    exact = torch.einsum("thm,tmd->thd", p, keys.double()) / (p.sum(-1) + torch.exp(sink.double() - mx)).unsqueeze(-1)
+    # observed max error / max |o|: fp32 4.5e-7, bf16 3.2e-3 (the output's rounding)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-6
+    assert (got.double() - exact).abs().max() <= tol * exact.abs().max()
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    ref = sparse_attention(q, keys, valid, sink, d**-0.5)
+    assert (got.double() - ref.double()).abs().max() <= tol * exact.abs().max()
+    for r in (1, 4):  # the same row alone
+        assert torch.equal(native.sparse_attention(q[r:r + 1], k1[r:r + 1], v1[r:r + 1], sink, d**-0.5, k2[r:r + 1],
+                                                   v2[r:r + 1]), got[r:r + 1])

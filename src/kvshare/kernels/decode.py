@@ -14,13 +14,19 @@ replace stays the reference and the fallback:
 * `compress_pool`: a compressor's softmax pooling over its history slots (`model/compressor.py`),
   the same bits as ``(torch.softmax(score, dim=1) * kv).sum(dim=1)``: SLEEF exp, the softmax's
   sequential sum and division, and the cascade torch's sum kernel uses over the slots.
+* `sparse_attention`: attention with the per-head sink over a row's window keys and its gathered
+  compressed rows, read in place (no concatenation). NOT the torch path's bits: torch's products
+  are MKL batched GEMMs whose summation order is MKL's; this kernel sums each dot product in 8
+  fma lanes (lanes added pairwise) and the weighted values in key order. The difference is
+  bounded in tests/test_native_decode.py; batch invariance holds by construction (one row at a time).
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
 
 `enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
 ``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
-callers then run the torch code.
+callers then run the torch code. ``KVSHARE_NATIVE_ATTENTION=off`` keeps the other kernels and runs
+the torch attention (`attention_enabled()`), so a forward has exactly the torch path's bits.
 """
 
 from __future__ import annotations
@@ -31,12 +37,25 @@ import torch
 
 from kvshare.kernels.build import best_isa, library
 
-_SWITCH: dict[str, bool | None] = {"on": None}
+_SWITCH: dict[str, bool | None] = {"on": None, "attention": None}
 
 
-def set_enabled(on: bool | None) -> None:
-    """Force the native decode kernels on / off for this process (None: back to the environment)."""
+def set_enabled(on: bool | None, attention: bool | None = None) -> None:
+    """Force the native decode kernels on / off for this process (None: back to the environment);
+    `attention` likewise for `sparse_attention` alone (the one kernel with bits of its own)."""
     _SWITCH["on"] = on
+    _SWITCH["attention"] = attention
+
+
+def attention_enabled() -> bool:
+    """Whether `sparse_attention` serves the model: `enabled()` and not switched off by
+    ``KVSHARE_NATIVE_ATTENTION=off`` or ``set_enabled(..., attention=False)``."""
+    forced = _SWITCH["attention"]
+    if forced is False:
+        return False
+    if forced is None and os.environ.get("KVSHARE_NATIVE_ATTENTION", "").lower() in ("off", "0", "torch"):
+        return False
+    return enabled()
 
 
 def enabled() -> bool:
@@ -103,3 +122,13 @@ def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overla
     """[T, d] in `dtype`: softmax over the slots of the scores times the kv rows, from a compressor's
     history hist [T, S, 2 coff d] fp32 (see `model/compressor.py`); `valid` [T, S] masks slots."""
     return _lib().compress_pool(hist.contiguous(), None if valid is None else valid.contiguous(), d, overlap, dtype)
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float,
+                     keys2: torch.Tensor | None = None, valid2: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H, d] in q's dtype: `ops.sparse_attention` over keys [T, M, d] (mask valid [T, M]) followed by
+    keys2 [T, M2, d] (mask valid2), without concatenating them (see module doc for the order)."""
+    k2 = None if keys2 is None else keys2.to(q.dtype).contiguous()
+    v2 = None if valid2 is None else valid2.contiguous()
+    return _lib().sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
+                                   sink.float().contiguous(), scale)

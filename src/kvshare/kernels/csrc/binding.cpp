@@ -187,6 +187,40 @@ static torch::Tensor compress_pool(torch::Tensor hist, c10::optional<torch::Tens
   return out;
 }
 
+// Sparse attention (decode.h): q [T, H, d]; keys ka [T, Ma, d] with va [T, Ma] (bool), optionally
+// kb [T, Mb, d] with vb [T, Mb]; sink [H] fp32.
+static torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor ka, torch::Tensor va, c10::optional<torch::Tensor> kb,
+                                      c10::optional<torch::Tensor> vb, torch::Tensor sink, double scale) {
+  check_stream_dtype(q, "q");
+  check_rows(ka, "ka", q.scalar_type());
+  check_rows(va, "va", torch::kBool);
+  check_rows(sink, "sink", torch::kFloat32);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) % 8 == 0 && q.size(2) <= 1024, "kernels.sparse_attention: q must be [T, H, d] with d a multiple of 8 up to 1024, got ", q.sizes());
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  TORCH_CHECK(ka.dim() == 3 && ka.size(0) == t && ka.size(2) == d && va.dim() == 2 && va.size(0) == t &&
+              va.size(1) == ka.size(1), "kernels.sparse_attention: ka ", ka.sizes(), " / va ", va.sizes(), " do not fit q ", q.sizes());
+  TORCH_CHECK(sink.numel() == h, "kernels.sparse_attention: sink has ", sink.numel(), " entries for ", h, " heads");
+  TORCH_CHECK(kb.has_value() == vb.has_value(), "kernels.sparse_attention: kb and vb go together");
+  int64_t mb = 0;
+  const void* kbp = nullptr;
+  const uint8_t* vbp = nullptr;
+  if (kb.has_value()) {
+    check_rows(*kb, "kb", q.scalar_type());
+    check_rows(*vb, "vb", torch::kBool);
+    TORCH_CHECK(kb->dim() == 3 && kb->size(0) == t && kb->size(2) == d && vb->dim() == 2 && vb->size(0) == t &&
+                vb->size(1) == kb->size(1), "kernels.sparse_attention: kb ", kb->sizes(), " / vb ", vb->sizes(), " do not fit q ", q.sizes());
+    mb = kb->size(1);
+    kbp = kb->data_ptr();
+    vbp = reinterpret_cast<const uint8_t*>(vb->data_ptr<bool>());
+  }
+  auto out = torch::empty_like(q);
+  if (t == 0 || h == 0) return out;
+  kk::sparse_attention(q.data_ptr(), ka.data_ptr(), reinterpret_cast<const uint8_t*>(va.data_ptr<bool>()), ka.size(1),
+                       kbp, vbp, mb, sink.data_ptr<float>(), t, h, d, static_cast<float>(scale),
+                       q.scalar_type() == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -195,5 +229,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("mhc_expand", &mhc_expand, "mHC expand of a sublayer output into the streams (decode.h)");
   mod.def("rope", &rope, "interleaved RoPE on the trailing dims with per-position tables (decode.h)");
   mod.def("compress_pool", &compress_pool, "compressor softmax pooling over a group's slots (decode.h)");
+  mod.def("sparse_attention", &sparse_attention, "sparse attention with a sink over two key sources (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

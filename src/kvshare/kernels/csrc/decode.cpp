@@ -276,3 +276,91 @@ void compress_pool(const float* hist, const uint8_t* valid, int64_t T, int64_t S
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+namespace {
+
+inline __m256 load8(const void* p, int bf16, int64_t i) {
+  if (bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+inline float hsum8(__m256 v) {  // (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)), fixed
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+constexpr int64_t ATTN_MAX_D = 1024;
+
+}  // namespace
+
+void sparse_attention(const void* q, const void* ka, const uint8_t* va, int64_t ma, const void* kb,
+                      const uint8_t* vb, int64_t mb, const float* sink, int64_t T, int64_t H, int64_t d,
+                      float scale, int bf16, void* out) {
+  const int64_t m_all = ma + mb;
+  float* s = static_cast<float*>(__builtin_alloca(sizeof(float) * (m_all + 8)));
+  __m256 qv[ATTN_MAX_D / 8];
+  __m256 acc[ATTN_MAX_D / 8];
+  const int64_t nv = d / 8;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t v = 0; v < nv; ++v) qv[v] = load8(q, bf16, (t * H + h) * d + v * 8);
+      float mx = sink[h];
+      for (int64_t i = 0; i < m_all; ++i) {
+        const bool in_a = i < ma;
+        const int64_t j = in_a ? i : i - ma;
+        const uint8_t ok = in_a ? va[t * ma + j] : vb[t * mb + j];
+        if (!ok) {
+          s[i] = -INFINITY;
+          continue;
+        }
+        const void* k = in_a ? ka : kb;
+        const int64_t base = (t * (in_a ? ma : mb) + j) * d;
+        __m256 dot = _mm256_setzero_ps();
+        for (int64_t v = 0; v < nv; ++v) dot = _mm256_fmadd_ps(qv[v], load8(k, bf16, base + v * 8), dot);
+        s[i] = hsum8(dot) * scale;
+        mx = s[i] > mx ? s[i] : mx;
+      }
+      float denom = 0.0f;
+      for (int64_t i = 0; i < m_all; i += 8) {  // p_i = exp(s_i - m) in place, 8 at a time
+        const int64_t c = m_all - i < 8 ? m_all - i : 8;
+        alignas(32) float buf[8];
+        for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? s[i + l] - mx : -INFINITY;
+        _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_load_ps(buf)));
+        for (int64_t l = 0; l < c; ++l) {
+          s[i + l] = buf[l];
+          denom += buf[l];
+        }
+      }
+      {
+        alignas(32) float buf[8] = {sink[h] - mx, 0, 0, 0, 0, 0, 0, 0};
+        _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_load_ps(buf)));
+        denom += buf[0];
+      }
+      for (int64_t v = 0; v < nv; ++v) acc[v] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < m_all; ++i) {
+        if (s[i] == 0.0f) continue;  // masked (exp(-inf) = 0) or underflowed: adds nothing
+        const bool in_a = i < ma;
+        const int64_t j = in_a ? i : i - ma;
+        const void* k = in_a ? ka : kb;
+        const int64_t base = (t * (in_a ? ma : mb) + j) * d;
+        const __m256 p = _mm256_set1_ps(s[i]);
+        for (int64_t v = 0; v < nv; ++v) acc[v] = _mm256_fmadd_ps(p, load8(k, bf16, base + v * 8), acc[v]);
+      }
+      const __m256 dv = _mm256_set1_ps(denom);
+      alignas(32) float o[8];
+      for (int64_t v = 0; v < nv; ++v) {
+        _mm256_store_ps(o, _mm256_div_ps(acc[v], dv));
+        for (int l = 0; l < 8; ++l) store(out, bf16, (t * H + h) * d + v * 8 + l, o[l]);
+      }
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

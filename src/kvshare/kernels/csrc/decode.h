@@ -54,3 +54,17 @@ void compress_pool(const float* hist, const uint8_t* valid, int64_t T, int64_t S
                    int out_bf16, void* out);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// Sparse attention with a per-head sink (ops/sparse_attention.py) for rows t < T, heads h < H, over
+// the keys of two sources read in place (a = the window [T][Ma][d], b = gathered rows [T][Mb][d],
+// each with a valid mask [T][M]; b may be empty): s_i = (q . k_i) * scale (fp32: fma chains over 8
+// lanes of d, lanes added pairwise), masked -> -inf; m = max(max s, sink_h); p_i = exp(s_i - m);
+// o = (sum_i p_i k_i) / (sum_i p_i + exp(sink_h - m)), sums in key order; stored in q's dtype.
+// q, k: bf16 (bf16 != 0) or fp32, all the same dtype; d % 8 == 0.
+void sparse_attention(const void* q, const void* ka, const uint8_t* va, int64_t ma, const void* kb,
+                      const uint8_t* vb, int64_t mb, const float* sink, int64_t T, int64_t H, int64_t d,
+                      float scale, int bf16, void* out);
+
+}  // namespace kvshare_kernels
