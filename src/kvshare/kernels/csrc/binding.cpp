@@ -52,9 +52,17 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   torch::Tensor xin;
   if (f32) {
     xin = x.contiguous();
-  } else {
-    xin = torch::zeros({amx ? (m + 31) / 32 * 32 : m, kp}, x.options());
-    xin.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  } else {  // padded copy written here, not by torch ops (a decode step makes ~130 of these calls)
+    const int64_t rows = amx ? (m + 31) / 32 * 32 : m;
+    xin = torch::empty({rows, kp}, x.options());
+    const auto xc = x.contiguous();
+    const auto* src = static_cast<const uint16_t*>(xc.data_ptr());
+    auto* dst = static_cast<uint16_t*>(xin.data_ptr());
+    for (int64_t r = 0; r < m; ++r) {
+      memcpy(dst + r * kp, src + r * k, sizeof(uint16_t) * k);
+      if (kp > k) memset(dst + r * kp + k, 0, sizeof(uint16_t) * (kp - k));
+    }
+    if (rows > m) memset(dst + m * kp, 0, sizeof(uint16_t) * (rows - m) * kp);
   }
   auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (m == 0 || n == 0) return y;
