@@ -8,7 +8,8 @@ forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, g
 same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
 equals that row alone.
 
-Mutations caught (run while writing the kernels, each failed the bitwise comparison): the compressor
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): RMSNorm's sum
+of squares taken sequentially instead of in torch's inner-sum order (12 rms tests fail); the compressor
 pooling summed sequentially instead of torch's cascade (the 128- to 300-slot pooling tests fail); RoPE with
 its first product fused into the add (fmaf: the fp32 rope tests fail); glibc
 ``expf`` instead of SLEEF's (pre / post / comb 1 ulp off on some rows); the softmax sum as a tree
@@ -317,3 +318,28 @@ def test_sparse_attention_kernel_against_the_formula(dtype: torch.dtype, m: int,
     for r in (1, 4):  # the same row alone
         assert torch.equal(native.sparse_attention(q[r:r + 1], k1[r:r + 1], v1[r:r + 1], sink, d**-0.5, k2[r:r + 1],
                                                    v2[r:r + 1]), got[r:r + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [768, 3072, 128, 100, 8, 12, 4096])
+def test_rms_norm_gives_the_bits_of_the_torch_norm(dtype: torch.dtype, n: int) -> None:
+    from kvshare.model.norm import RMSNorm, rms_normalize, rms_normalize_as
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(33, n, generator=g) * 3).to(dtype)
+    norm = RMSNorm(n, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
+    with _torch_path():
+        want_w, want, want_as = norm(x), rms_normalize(x, 1e-6), rms_normalize_as(x, 1e-6)
+    for m in (1, 2, 33):  # every call size gives each row the torch path's bits
+        with torch.no_grad():
+            assert torch.equal(native.rms_norm(x[:m], norm.weight, 1e-6, dtype), want_w[:m]), m
+        assert torch.equal(native.rms_norm(x[:m], None, 1e-6, torch.float32), want[:m]), m
+        assert torch.equal(native.rms_norm(x[:m], None, 1e-6, dtype), want_as[:m]), m
+    with torch.no_grad(), invariant.active(True):  # and the model's functions take it
+        assert torch.equal(norm(x), want_w) and torch.equal(rms_normalize(x, 1e-6), want)
+    # the torch path is the formula (float64; observed max error / max |out| 1.3e-7, fp32 result)
+    x64 = x.double()
+    exact = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert (want.double() - exact).abs().max() <= 4e-7 * exact.abs().max()

@@ -19,6 +19,9 @@ replace stays the reference and the fallback:
   are MKL batched GEMMs whose summation order is MKL's; this kernel sums each dot product in 8
   fma lanes (lanes added pairwise) and the weighted values in key order. The difference is
   bounded in tests/test_native_decode.py; batch invariance holds by construction (one row at a time).
+* `rms_norm`: RMSNorm rows (`model/norm.py`), the same bits: squares, torch's sum of a contiguous
+  row (the AVX2 inner-sum kernel, which torch also runs under AVX-512: 8-lane vectors in 4 streams,
+  cascaded), ``/ n``, ``+ eps``, ``1 / sqrt``, then ``x * r`` and ``* weight`` rounded one by one.
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
@@ -132,3 +135,8 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     v2 = None if valid2 is None else valid2.contiguous()
     return _lib().sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
                                    sink.float().contiguous(), scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm over the last dim of x (contiguous, bf16 / fp32), times `weight` (fp32) if given, in `dtype`."""
+    return _lib().rms_norm(x, weight, eps, dtype)

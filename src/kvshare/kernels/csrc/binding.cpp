@@ -229,6 +229,25 @@ static torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor ka, torch::
   return out;
 }
 
+// RMSNorm over the last dim of x (decode.h); weight [n] fp32 or None; out dtype bf16 / fp32.
+static torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, double eps, torch::ScalarType out_dtype) {
+  check_stream_dtype(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) <= (1 << 20), "kernels.rms_norm: x must have a last dim in [1, 2^20], got ", x.sizes());
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.rms_norm: out dtype must be bf16 or fp32");
+  const int64_t n = x.size(-1);
+  const float* wp = nullptr;
+  if (weight.has_value()) {
+    check_rows(*weight, "weight", torch::kFloat32);
+    TORCH_CHECK(weight->numel() == n, "kernels.rms_norm: weight has ", weight->numel(), " entries for rows of ", n);
+    wp = weight->data_ptr<float>();
+  }
+  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel() == 0) return out;
+  kk::rms_norm(x.data_ptr(), x.scalar_type() == torch::kBFloat16, wp, x.numel() / n, n, static_cast<float>(eps),
+               out_dtype == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -238,5 +257,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rope", &rope, "interleaved RoPE on the trailing dims with per-position tables (decode.h)");
   mod.def("compress_pool", &compress_pool, "compressor softmax pooling over a group's slots (decode.h)");
   mod.def("sparse_attention", &sparse_attention, "sparse attention with a sink over two key sources (decode.h)");
+  mod.def("rms_norm", &rms_norm, "RMSNorm rows with torch's summation order (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

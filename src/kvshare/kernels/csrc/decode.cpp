@@ -364,3 +364,73 @@ void sparse_attention(const void* q, const void* ka, const uint8_t* va, int64_t 
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+namespace {
+
+inline int ceil_log2(int64_t n) {
+  int c = 0;
+  while ((int64_t(1) << c) < n) ++c;
+  return c;
+}
+
+// torch's sum of a contiguous fp32 row (SumKernel: vectorized_inner_sum -> row_sum -> multi_row_sum).
+inline float torch_inner_sum(const float* v, int64_t n) {
+  const int64_t vec_size = n / 8, size_ilp = vec_size / 4;
+  __m256 ps[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (size_ilp > 0) {
+    const int p = ceil_log2(size_ilp) / 4 > 4 ? ceil_log2(size_ilp) / 4 : 4;
+    const int64_t step = int64_t(1) << p, mask = step - 1;
+    __m256 acc[4][4];
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    while (i + step <= size_ilp) {
+      for (int64_t j = 0; j < step; ++j, ++i)
+        for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(v + (i * 4 + k) * 8));
+      for (int j = 1; j < 4; ++j) {
+        for (int k = 0; k < 4; ++k) {
+          acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+          acc[j - 1][k] = _mm256_setzero_ps();
+        }
+        if (i & (mask << (j * p))) break;
+      }
+    }
+    for (; i < size_ilp; ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(v + (i * 4 + k) * 8));
+    for (int j = 1; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+    for (int k = 0; k < 4; ++k) ps[k] = acc[0][k];
+  }
+  for (int64_t c = size_ilp * 4; c < vec_size; ++c) ps[0] = _mm256_add_ps(ps[0], _mm256_loadu_ps(v + c * 8));
+  for (int k = 1; k < 4; ++k) ps[0] = _mm256_add_ps(ps[0], ps[k]);
+  float fin = 0.0f;
+  for (int64_t k = vec_size * 8; k < n; ++k) fin += v[k];
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, ps[0]);
+  for (int l = 0; l < 8; ++l) fin += lanes[l];
+  return fin;
+}
+
+}  // namespace
+
+void rms_norm(const void* x, int x_bf16, const float* w, int64_t R, int64_t n, float eps, int out_bf16, void* out) {
+  float* row = static_cast<float*>(__builtin_alloca(sizeof(float) * (2 * n + 8)));
+  float* sq = row + n;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = load(x, x_bf16, r * n + i);
+      sq[i] = row[i] * row[i];
+    }
+    const float mean = torch_inner_sum(sq, n) / static_cast<float>(n);
+    const float inv = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      float v = row[i] * inv;
+      if (w) v = v * w[i];
+      store(out, out_bf16, r * n + i, v);
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

@@ -68,3 +68,13 @@ void sparse_attention(const void* q, const void* ka, const uint8_t* va, int64_t 
                       float scale, int bf16, void* out);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// RMSNorm rows (model/norm.py) of x [R][n] (bf16 or fp32): r = 1 / sqrt(sum(x^2) / n + eps) with
+// torch's inner sum (8-lane vectors in 4 interleaved streams, cascaded, then the scalar tail and the
+// lanes in order: the AVX2 kernel torch runs under every capability), then out = (x * r) [* w],
+// each product rounded to fp32, stored in bf16 (out_bf16) or fp32. w (fp32 [n]) may be null.
+void rms_norm(const void* x, int x_bf16, const float* w, int64_t R, int64_t n, float eps, int out_bf16, void* out);
+
+}  // namespace kvshare_kernels
