@@ -8,7 +8,9 @@ forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, g
 same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
 equals that row alone.
 
-Mutations caught (run while writing the kernels, each failed the bitwise comparison): RMSNorm's sum
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): the MoE combine
+summing every channel in one order (torch uses another for the channels after the last whole
+group of 32: the D = 100 combine tests with k = 6 / 20 fail); RMSNorm's sum
 of squares taken sequentially instead of in torch's inner-sum order (12 rms tests fail); the compressor
 pooling summed sequentially instead of torch's cascade (the 128- to 300-slot pooling tests fail); RoPE with
 its first product fused into the add (fmaf: the fp32 rope tests fail); glibc
@@ -185,12 +187,15 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     """Every exact kernel on (the native attention off): the torch path's logits, bit for bit."""
     model, prompts = _model_and_prompts(name, dtype, n_seq)
     ref = _logits(model, prompts, 4, on=False)
-    calls, pools = [], []
-    real, real_pool = native.mhc_expand, native.compress_pool
+    calls, pools, moe = [], [], []
+    real, real_pool, real_swiglu, real_combine = native.mhc_expand, native.compress_pool, native.swiglu, native.moe_combine
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
+    monkeypatch.setattr(native, "swiglu", lambda *a: moe.append(1) or real_swiglu(*a))
+    monkeypatch.setattr(native, "moe_combine", lambda *a: moe.append(1) or real_combine(*a))
     got = _logits(model, prompts, 4, on=True)
     assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
+    assert len(moe) == 5 * 2 * model.cfg.num_hidden_layers  # SwiGLU and combine in every MoE of every step
     assert bool(pools) == name.endswith("/64")  # the compressor pooling where its dims allow
     for step, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), step
@@ -343,3 +348,45 @@ def test_rms_norm_gives_the_bits_of_the_torch_norm(dtype: torch.dtype, n: int) -
     x64 = x.double()
     exact = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
     assert (want.double() - exact).abs().max() <= 4e-7 * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("limit", [10.0, 0.0, 7.3])
+def test_swiglu_gives_the_bits_of_the_torch_one(dtype: torch.dtype, limit: float) -> None:
+    from kvshare.model.moe import _swiglu
+
+    g = torch.Generator().manual_seed(int(limit * 10))
+    n, inter = 9, 100  # 100: a partial 8-lane group
+    gate = (torch.randn(n, inter, generator=g) * 6).to(dtype)
+    up = (torch.randn(n, inter, generator=g) * 6).to(dtype)
+    w = torch.rand(n, generator=g) * 2
+    with _torch_path():
+        want = _swiglu(gate.clone(), up.clone(), w, limit)
+    assert torch.equal(native.swiglu(gate, up, w, limit), want)
+    assert torch.equal(native.swiglu(gate[3:4], up[3:4], w[3:4], limit), want[3:4])  # a row alone
+    # the torch path is the formula (float64; observed max error / max |h| 5.8e-3 bf16, 1.1e-7 fp32)
+    gd, ud = gate.double(), up.double()
+    if limit > 0:
+        gd, ud = gd.clamp(max=limit), ud.clamp(-limit, limit)
+    exact = gd * torch.sigmoid(gd) * ud * w.double().unsqueeze(-1)
+    tol = 1e-2 if dtype == torch.bfloat16 else 4e-7
+    assert (want.double() - exact).abs().max() <= tol * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [1, 2, 6, 20])
+def test_moe_combine_gives_the_bits_of_the_torch_one(dtype: torch.dtype, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    t, d = 5, 100
+    out = torch.randn(t * k + t, d, generator=g).to(dtype)
+    sel = torch.randperm(t * k, generator=g)
+    where = torch.empty_like(sel)
+    where[sel] = torch.arange(t * k)
+    routed = out[where].float().view(t, k, -1).sum(dim=1)  # model/moe.py's combine, written out
+    want = routed.add_(out[t * k:].float()).to(dtype)
+    assert torch.equal(native.moe_combine(out, sel, t, k), want)
+    exact = out[where].double().view(t, k, -1).sum(1) + out[t * k:].double()
+    # observed max error / max |y|: fp32 9.3e-8 (k = 20), bf16 3.0e-3 (the output's rounding)
+    assert (want.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-6) * exact.abs().max()
+    with pytest.raises(RuntimeError, match="sel holds slot"):
+        native.moe_combine(out, torch.full_like(sel, t * k), t, k)

@@ -22,6 +22,10 @@ replace stays the reference and the fallback:
 * `rms_norm`: RMSNorm rows (`model/norm.py`), the same bits: squares, torch's sum of a contiguous
   row (the AVX2 inner-sum kernel, which torch also runs under AVX-512: 8-lane vectors in 4 streams,
   cascaded), ``/ n``, ``+ eps``, ``1 / sqrt``, then ``x * r`` and ``* weight`` rounded one by one.
+* `swiglu`, `moe_combine`: the MoE's clamped SwiGLU times the routing weight, and the per-token
+  sum of its k routed slots plus the shared expert, the same bits as `model/moe.py` (SLEEF exp in
+  silu = g / (1 + exp(-g)), every rounding to the model dtype where torch rounds, torch's cascade
+  order over the k slots).
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
@@ -140,3 +144,14 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm over the last dim of x (contiguous, bf16 / fp32), times `weight` (fp32) if given, in `dtype`."""
     return _lib().rms_norm(x, weight, eps, dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    """[N, I] in gate's dtype: ``weight * silu(min(gate, limit)) * clamp(up, -limit, limit)`` as `model/moe.py`."""
+    return _lib().swiglu(gate, up, weight, limit)
+
+
+def moe_combine(out: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """[T, D] in out's dtype: each token's k routed rows of `out` (row i holds slot ``sel[i]``) summed
+    in fp32, plus its shared-expert row ``out[T k + t]``."""
+    return _lib().moe_combine(out, sel, t, k)

@@ -25,11 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.config import ModelConfig
+from kvshare.kernels import decode as native
 from kvshare.model.linear import Linear, QLinear
 from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.ops import stable_topk
-from kvshare.ops.invariant import matmul_t, pointwise
+from kvshare.ops.invariant import is_on as invariant_on, matmul_t, pointwise
 from kvshare.precision import wide
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether the native MoE kernels (`kernels.decode.swiglu` / `moe_combine`, the same bits) serve
+    these tensors: inside a batch-invariant forward, bf16 / fp32 CPU tensors without autograd."""
+    return invariant_on() and native.serves(*tensors)
 
 
 class Expert(nn.Module):
@@ -123,6 +130,8 @@ class MoE(nn.Module):
         row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
         out = _run_experts(groups, x[rows], row_w)
         n_sel = sel.numel()
+        if n_sel == t * k and self.reduce is None and _native(out) and sel.is_contiguous():  # same bits, one call
+            return native.moe_combine(out, sel, t, k)
         if n_sel == t * k:  # every slot is local: gather each token's k outputs in slot order
             where = torch.empty_like(sel)
             where[sel] = torch.arange(n_sel, device=x.device)
@@ -175,6 +184,8 @@ def _run_experts(groups: list[tuple[Expert, int]], xs: torch.Tensor, weight: tor
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
     """``(wide(silu(min(gate, limit)) * clamp(up)) * weight).to(gate.dtype)``, overwriting the fresh
     GEMM outputs gate and up (in-place ops: the same values as `Expert.forward`'s)."""
+    if weight.dtype == torch.float32 and _native(gate, up) and gate.is_contiguous() and up.is_contiguous():
+        return native.swiglu(gate, up, weight.contiguous(), limit)  # the same bits in one call
     if limit > 0:
         gate.clamp_(max=limit)
         up.clamp_(-limit, limit)

@@ -248,6 +248,34 @@ static torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weig
   return out;
 }
 
+// MoE SwiGLU (decode.h): gate, up [N, I] (bf16 / fp32, same dtype), weight [N] fp32.
+static torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up, torch::Tensor weight, double limit) {
+  check_stream_dtype(gate, "gate");
+  check_rows(up, "up", gate.scalar_type());
+  check_rows(weight, "weight", torch::kFloat32);
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && weight.numel() == gate.size(0),
+              "kernels.swiglu: gate ", gate.sizes(), ", up ", up.sizes(), " and weight ", weight.sizes(), " do not fit");
+  auto out = torch::empty_like(gate);
+  kk::swiglu(gate.data_ptr(), up.data_ptr(), gate.scalar_type() == torch::kBFloat16, weight.data_ptr<float>(),
+             gate.size(0), gate.size(1), static_cast<float>(limit), out.data_ptr());
+  return out;
+}
+
+// MoE combine (decode.h): out [n_sel + T, D] expert outputs (routed rows, then the shared expert's),
+// sel [n_sel] int64 the slot (t * k + j) of each routed row (n_sel == T * k).
+static torch::Tensor moe_combine(torch::Tensor out, torch::Tensor sel, int64_t t, int64_t k) {
+  check_stream_dtype(out, "out");
+  check_rows(sel, "sel", torch::kInt64);
+  TORCH_CHECK(k >= 1 && t >= 0 && sel.numel() == t * k && out.dim() == 2 && out.size(0) == t * k + t,
+              "kernels.moe_combine: out ", out.sizes(), " / sel ", sel.sizes(), " do not fit T = ", t, ", k = ", k);
+  auto sp = sel.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t * k; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < t * k, "kernels.moe_combine: sel holds slot ", sp[i], " outside [0, ", t * k, ")");
+  auto y = torch::empty({t, out.size(1)}, out.options());
+  kk::moe_combine(out.data_ptr(), out.scalar_type() == torch::kBFloat16, sp, t, k, out.size(1), t * k, y.data_ptr());
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -258,5 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("compress_pool", &compress_pool, "compressor softmax pooling over a group's slots (decode.h)");
   mod.def("sparse_attention", &sparse_attention, "sparse attention with a sink over two key sources (decode.h)");
   mod.def("rms_norm", &rms_norm, "RMSNorm rows with torch's summation order (decode.h)");
+  mod.def("swiglu", &swiglu, "MoE SwiGLU with the routing weight (decode.h)");
+  mod.def("moe_combine", &moe_combine, "MoE combine of routed slots and the shared expert (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

@@ -434,3 +434,106 @@ void rms_norm(const void* x, int x_bf16, const float* w, int64_t R, int64_t n, f
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+namespace {
+
+inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+}  // namespace
+
+void swiglu(const void* gate, const void* up, int bf16, const float* weight, int64_t N, int64_t I, float limit,
+            void* out) {
+  const float lim_g = limit > 0 ? round_to(limit, bf16) : 0.0f;
+  const float lim_u = limit > 0 ? round_to(-limit, bf16) : 0.0f;
+  alignas(32) float g[8], u[8];
+  for (int64_t r = 0; r < N; ++r) {
+    const float w = weight[r];
+    for (int64_t i0 = 0; i0 < I; i0 += 8) {
+      const int64_t c = I - i0 < 8 ? I - i0 : 8;
+      for (int64_t l = 0; l < 8; ++l) {
+        g[l] = l < c ? load(gate, bf16, r * I + i0 + l) : 0.0f;
+        u[l] = l < c ? load(up, bf16, r * I + i0 + l) : 0.0f;
+        if (limit > 0) {
+          g[l] = g[l] > lim_g ? lim_g : g[l];
+          u[l] = u[l] > lim_g ? lim_g : (u[l] < lim_u ? lim_u : u[l]);
+        }
+      }
+      const __m256 gv = _mm256_load_ps(g);
+      const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                          Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      _mm256_store_ps(g, sv);
+      for (int64_t l = 0; l < c; ++l) {
+        const float h = round_to(round_to(g[l], bf16) * u[l], bf16);
+        store(out, bf16, r * I + i0 + l, h * w);
+      }
+    }
+  }
+}
+
+namespace {
+
+// torch's row_sum over n vectors (SumKernel): four interleaved streams (vector i goes to stream
+// i % 4) cascaded over n / 4 steps, the leftover vectors added to stream 0, then streams 1-3 added
+// to stream 0 in order. (cascade_sum8 is its multi_row_sum with one stream.)
+inline __m256 row_sum8(const __m256* v, int64_t n) {
+  const int64_t size_ilp = n / 4;
+  __m256 ps[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  if (size_ilp > 0) {
+    const int p = ceil_log2(size_ilp) / 4 > 4 ? ceil_log2(size_ilp) / 4 : 4;
+    const int64_t step = int64_t(1) << p, mask = step - 1;
+    __m256 acc[4][4];
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    while (i + step <= size_ilp) {
+      for (int64_t j = 0; j < step; ++j, ++i)
+        for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], v[i * 4 + k]);
+      for (int j = 1; j < 4; ++j) {
+        for (int k = 0; k < 4; ++k) {
+          acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+          acc[j - 1][k] = _mm256_setzero_ps();
+        }
+        if (i & (mask << (j * p))) break;
+      }
+    }
+    for (; i < size_ilp; ++i)
+      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], v[i * 4 + k]);
+    for (int j = 1; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+    for (int k = 0; k < 4; ++k) ps[k] = acc[0][k];
+  }
+  for (int64_t c = size_ilp * 4; c < n; ++c) ps[0] = _mm256_add_ps(ps[0], v[c]);
+  for (int k = 1; k < 4; ++k) ps[0] = _mm256_add_ps(ps[0], ps[k]);
+  return ps[0];
+}
+
+}  // namespace
+
+void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64_t k, int64_t D, int64_t shared0,
+                 void* y) {
+  // torch sums the k slots per channel with multi_row_sum for channels in whole groups of 32 (four
+  // vectors) and with row_sum for the channels after the last such group
+  const int64_t d_multi = D / 32 * 32;
+  int64_t* row = static_cast<int64_t*>(__builtin_alloca(sizeof(int64_t) * (T * k + 1)));
+  for (int64_t i = 0; i < T * k; ++i) row[sel[i]] = i;
+  __m256* v = static_cast<__m256*>(__builtin_alloca(sizeof(__m256) * (k + 1)));
+  alignas(32) float buf[8];
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      const int64_t c = D - d0 < 8 ? D - d0 : 8;
+      for (int64_t j = 0; j < k; ++j) {
+        for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? load(out, bf16, row[t * k + j] * D + d0 + l) : 0.0f;
+        v[j] = _mm256_load_ps(buf);
+      }
+      for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? load(out, bf16, (shared0 + t) * D + d0 + l) : 0.0f;
+      const __m256 routed = d0 + 8 <= d_multi ? cascade_sum8(v, k) : row_sum8(v, k);
+      const __m256 total = _mm256_add_ps(routed, _mm256_load_ps(buf));
+      _mm256_store_ps(buf, total);
+      for (int64_t l = 0; l < c; ++l) store(y, bf16, t * D + d0 + l, buf[l]);
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

@@ -78,3 +78,20 @@ namespace kvshare_kernels {
 void rms_norm(const void* x, int x_bf16, const float* w, int64_t R, int64_t n, float eps, int out_bf16, void* out);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// SwiGLU of the MoE experts (model/moe.py `_swiglu`) for rows [N][I] of gate / up (bf16 or fp32):
+// g = min(gate, limit), u = clamp(up, -limit, limit) (no clamp when limit <= 0); h = silu(g) =
+// g / (1 + exp(0 - g)) rounded to the dtype; h = h * u rounded to the dtype; out = (h * weight[r])
+// in fp32, stored in the dtype.
+void swiglu(const void* gate, const void* up, int bf16, const float* weight, int64_t N, int64_t I, float limit,
+            void* out);
+
+// MoE combine (model/moe.py): y[t] = (sum over j < k of out[row(t k + j)] in torch's order: the
+// cascade for channels in whole groups of 32, its 4-stream row sum after them) + out[shared0 + t],
+// in fp32, stored in out's dtype; row(s) = i with sel[i] = s.
+void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64_t k, int64_t D, int64_t shared0,
+                 void* y);
+
+}  // namespace kvshare_kernels
