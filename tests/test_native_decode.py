@@ -8,7 +8,9 @@ forwards: a V4 and a V4.1 model, prefill + decode rows at several batch sizes, g
 same logits with the kernels on and off, in bf16 and fp32. Row invariance: a row of a 33-row call
 equals that row alone.
 
-Mutations caught (run while writing the kernels, each failed the bitwise comparison): the MoE combine
+Mutations caught (run while writing the kernels, each failed the bitwise comparison): the gate's
+sqrt correctly rounded (``_mm256_sqrt_ps``) instead of MKL's vmsSqrt that torch.sqrt calls (the
+tiny-v4 fp32 forward differs at layer 4; 25 of 4,096 scores); the MoE combine
 summing every channel in one order (torch uses another for the channels after the last whole
 group of 32: the D = 100 combine tests with k = 6 / 20 fail); RMSNorm's sum
 of squares taken sequentially instead of in torch's inner-sum order (12 rms tests fail); the compressor
@@ -390,3 +392,28 @@ def test_moe_combine_gives_the_bits_of_the_torch_one(dtype: torch.dtype, k: int)
     assert (want.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 1e-6) * exact.abs().max()
     with pytest.raises(RuntimeError, match="sel holds slot"):
         native.moe_combine(out, torch.full_like(sel, t * k), t, k)
+
+
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (21, 4, 2), (3, 256, 8), (5, 100, 6)])
+def test_moe_route_gives_the_scores_and_picks_of_the_torch_gate(func: str, t: int, e: int, k: int) -> None:
+    """Against `Gate._route` (the torch code): the same scores (SLEEF softplus / sigmoid, MKL's sqrt
+    as torch.sqrt) and the same picks in the same order, ties toward the lower expert id."""
+    from kvshare.bench.sizes import FULL, peer_v4_config
+    from kvshare.config import ModelConfig
+    from kvshare.model.moe import Gate
+
+    raw = peer_v4_config(FULL.replace(experts=e, experts_per_tok=k))
+    raw["scoring_func"] = func
+    gate = Gate(ModelConfig.from_dict(raw), hash_routed=False)
+    g = torch.Generator().manual_seed(t * e + k)
+    with torch.no_grad():
+        gate.bias.copy_(torch.randn(e, generator=g) * 0.3)
+    logits = torch.randn(t, e, generator=g) * 4
+    logits[0, 1] = logits[0, 0]  # a tie: the lower id must come first
+    with torch.no_grad():
+        gate.bias[1] = gate.bias[0]
+        with _torch_path():
+            want_w, want_ids = gate._route(logits, torch.zeros(t, dtype=torch.long))
+        w, ids = native.moe_route(logits, gate.bias.detach(), k, func)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)

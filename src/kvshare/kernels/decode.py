@@ -22,6 +22,10 @@ replace stays the reference and the fallback:
 * `rms_norm`: RMSNorm rows (`model/norm.py`), the same bits: squares, torch's sum of a contiguous
   row (the AVX2 inner-sum kernel, which torch also runs under AVX-512: 8-lane vectors in 4 streams,
   cascaded), ``/ n``, ``+ eps``, ``1 / sqrt``, then ``x * r`` and ``* weight`` rounded one by one.
+* `moe_route`: the gate's scores (sqrt(softplus) or sigmoid: SLEEF exp / log1p as torch's vector
+  kernels; the sqrt is MKL's vmsSqrt, which torch.sqrt calls and which is not always correctly
+  rounded) and the stable top-k of scores + bias (ties toward the lower expert id), the same bits
+  and ids as `Gate.forward`'s torch code.
 * `swiglu`, `moe_combine`: the MoE's clamped SwiGLU times the routing weight, and the per-token
   sum of its k routed slots plus the shared expert, the same bits as `model/moe.py` (SLEEF exp in
   silu = g / (1 + exp(-g)), every rounding to the model dtype where torch rounds, torch's cascade
@@ -155,3 +159,10 @@ def moe_combine(out: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.T
     """[T, D] in out's dtype: each token's k routed rows of `out` (row i holds slot ``sel[i]``) summed
     in fp32, plus its shared-expert row ``out[T k + t]``."""
     return _lib().moe_combine(out, sel, t, k)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, func: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32: the scores of the picks, ids [T, k] int64: descending, ties to the lower
+    id) from gate logits [T, E] fp32; `func` "sqrtsoftplus" or "sigmoid"."""
+    w, ids = _lib().moe_route(logits, bias, k, func)
+    return w, ids

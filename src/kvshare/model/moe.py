@@ -80,6 +80,20 @@ class Gate(nn.Module):
         logits = matmul_t(wide(x), wide(self.weight))
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
+        if (not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid") and logits.dtype == torch.float32
+                and self.bias.dtype == torch.float32 and _native(logits)):  # the same bits and picks in one call
+            weights, ids = native.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.scoring_func)
+        else:
+            weights, ids = self._route(logits, input_ids)
+        k = cfg.num_experts_per_tok
+        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+    def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores of the picks [T, k], picks [T, k]) from the gate logits (the torch code)."""
+        cfg = self.cfg
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.scoring_func == "sigmoid":
@@ -90,11 +104,7 @@ class Gate(nn.Module):
             ids = self.tid2eid[input_ids].long()
         else:
             _, ids = stable_topk(scores + wide(self.bias), cfg.num_experts_per_tok)
-        weights = scores.gather(1, ids)
-        k = cfg.num_experts_per_tok
-        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return scores.gather(1, ids), ids
 
 
 class MoE(nn.Module):

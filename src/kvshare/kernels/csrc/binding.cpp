@@ -276,6 +276,27 @@ static torch::Tensor moe_combine(torch::Tensor out, torch::Tensor sel, int64_t t
   return y;
 }
 
+// MoE routing (decode.h): logits [T, E] fp32, bias [E] fp32 or None, k <= E, func "sqrtsoftplus" | "sigmoid".
+static std::vector<torch::Tensor> moe_route(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t k,
+                                            const std::string& func) {
+  check_rows(logits, "logits", torch::kFloat32);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.size(1) <= (1 << 16), "kernels.moe_route: logits must be [T, E], got ", logits.sizes());
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "kernels.moe_route: k = ", k, " must be in [1, ", logits.size(1), "]");
+  TORCH_CHECK(func == "sqrtsoftplus" || func == "sigmoid", "kernels.moe_route: func must be sqrtsoftplus or sigmoid, got ", func);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_rows(*bias, "bias", torch::kFloat32);
+    TORCH_CHECK(bias->numel() == logits.size(1), "kernels.moe_route: bias has ", bias->numel(), " entries for ", logits.size(1), " experts");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t t = logits.size(0);
+  auto w = torch::empty({t, k}, logits.options());
+  auto ids = torch::empty({t, k}, logits.options().dtype(torch::kInt64));
+  kk::moe_route(logits.data_ptr<float>(), bp, t, logits.size(1), k, func == "sigmoid" ? 1 : 0, w.data_ptr<float>(),
+                ids.data_ptr<int64_t>());
+  return {w, ids};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -288,5 +309,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rms_norm", &rms_norm, "RMSNorm rows with torch's summation order (decode.h)");
   mod.def("swiglu", &swiglu, "MoE SwiGLU with the routing weight (decode.h)");
   mod.def("moe_combine", &moe_combine, "MoE combine of routed slots and the shared expert (decode.h)");
+  mod.def("moe_route", &moe_route, "MoE gate scores and stable top-k (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

@@ -537,3 +537,53 @@ void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64
 }
 
 }  // namespace kvshare_kernels
+
+extern "C" __m256 Sleef_log1pf8_u10(__m256);
+// MKL's vector sqrt, which torch.sqrt calls for fp32 (ATen/cpu/vml.h: high accuracy, not always
+// correctly rounded); libtorch_cpu exports it. Mode: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+extern "C" void vmsSqrt(const int n, const float* a, float* r, const long long mode);
+constexpr long long TORCH_VML_MODE = 0x2 | 0x140000 | 0x100;
+
+namespace kvshare_kernels {
+
+
+void moe_route(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, int func, float* weights,
+               int64_t* ids) {
+  float* scores = static_cast<float*>(__builtin_alloca(sizeof(float) * (E + 8)));
+  float* key = static_cast<float*>(__builtin_alloca(sizeof(float) * (E + 8)));
+  uint8_t* taken = static_cast<uint8_t*>(__builtin_alloca(E + 8));
+  alignas(32) float buf[8];
+  for (int64_t t = 0; t < T; ++t) {
+    const float* lt = logits + t * E;
+    for (int64_t e0 = 0; e0 < E; e0 += 8) {
+      const int64_t c = E - e0 < 8 ? E - e0 : 8;
+      for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? lt[e0 + l] : 0.0f;
+      const __m256 x = _mm256_load_ps(buf);
+      __m256 s;
+      if (func == 0) {  // torch's softplus (beta 1, threshold 20), then sqrt
+        const __m256 sp = Sleef_log1pf8_u10(Sleef_expf8_u10(x));
+        s = _mm256_blendv_ps(sp, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+      } else {  // torch's sigmoid
+        s = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                          _mm256_add_ps(Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x)), _mm256_set1_ps(1.0f)));
+      }
+      _mm256_store_ps(buf, s);
+      for (int64_t l = 0; l < c; ++l) scores[e0 + l] = buf[l];
+    }
+    if (func == 0) vmsSqrt(static_cast<int>(E), scores, scores, TORCH_VML_MODE);  // torch's .sqrt()
+    for (int64_t e = 0; e < E; ++e) {
+      key[e] = bias ? scores[e] + bias[e] : scores[e];
+      taken[e] = 0;
+    }
+    for (int64_t j = 0; j < k; ++j) {  // k passes: the largest untaken key, the lowest id on ties
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || key[e] > key[best])) best = e;
+      taken[best] = 1;
+      ids[t * k + j] = best;
+      weights[t * k + j] = scores[best];
+    }
+  }
+}
+
+}  // namespace kvshare_kernels

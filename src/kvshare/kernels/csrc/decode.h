@@ -95,3 +95,14 @@ void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64
                  void* y);
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+
+// MoE routing (model/moe.py `Gate`) of logits [T][E] fp32: scores = sqrt(softplus(logits)) (func 0;
+// softplus = log1p(exp(x)), x itself above 20; sqrt: MKL's vmsSqrt as torch.sqrt) or sigmoid(logits)
+// (func 1), SLEEF as torch's vector kernels; ids [T][k] = the k largest of (scores + bias) in descending order, ties toward the lower
+// expert id (a stable descending sort); weights [T][k] = scores at ids. bias may be null.
+void moe_route(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, int func, float* weights,
+               int64_t* ids);
+
+}  // namespace kvshare_kernels
