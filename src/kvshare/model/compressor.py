@@ -103,7 +103,7 @@ class Compressor(nn.Module):
         # the same bits in one call for dims that are a multiple of 64 (the released 128 / 512 and
         # 64 / 128): for narrower or odd rows torch's softmax / sum take other loops (scalar tails,
         # another reduction order; measured there: not even row-invariant), so they keep the torch code
-        if self.dim % 64 == 0 and hist.dtype == torch.float32 and invariant.is_on() and native.serves(hist, x):
+        if invariant.is_on() and self.dim % 64 == 0 and hist.dtype == torch.float32 and native.serves(hist, x):
             mask = valid if groups.min_pos < self.depth - 1 else None
             return Emitted(groups, self.norm(native.compress_pool(hist, mask, self.dim, self.overlap, x.dtype)))
         w = self.coff * self.dim

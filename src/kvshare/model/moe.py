@@ -80,8 +80,9 @@ class Gate(nn.Module):
         logits = matmul_t(wide(x), wide(self.weight))
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
-        if (not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid") and logits.dtype == torch.float32
-                and self.bias.dtype == torch.float32 and _native(logits)):  # the same bits and picks in one call
+        if (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")
+                and logits.dtype == torch.float32 and self.bias.dtype == torch.float32
+                and _native(logits)):  # the same bits and picks in one call
             weights, ids = native.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.scoring_func)
         else:
             weights, ids = self._route(logits, input_ids)
@@ -140,7 +141,7 @@ class MoE(nn.Module):
         row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
         out = _run_experts(groups, x[rows], row_w)
         n_sel = sel.numel()
-        if n_sel == t * k and self.reduce is None and _native(out) and sel.is_contiguous():  # same bits, one call
+        if invariant_on() and n_sel == t * k and self.reduce is None and _native(out) and sel.is_contiguous():  # same bits, one call
             return native.moe_combine(out, sel, t, k)
         if n_sel == t * k:  # every slot is local: gather each token's k outputs in slot order
             where = torch.empty_like(sel)
@@ -194,7 +195,8 @@ def _run_experts(groups: list[tuple[Expert, int]], xs: torch.Tensor, weight: tor
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
     """``(wide(silu(min(gate, limit)) * clamp(up)) * weight).to(gate.dtype)``, overwriting the fresh
     GEMM outputs gate and up (in-place ops: the same values as `Expert.forward`'s)."""
-    if weight.dtype == torch.float32 and _native(gate, up) and gate.is_contiguous() and up.is_contiguous():
+    if (invariant_on() and weight.dtype == torch.float32 and _native(gate, up) and gate.is_contiguous()
+            and up.is_contiguous()):
         return native.swiglu(gate, up, weight.contiguous(), limit)  # the same bits in one call
     if limit > 0:
         gate.clamp_(max=limit)

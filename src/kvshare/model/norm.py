@@ -65,6 +65,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.float32 and _native(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
+        if invariant.is_on() and self.weight.dtype == torch.float32 and _native(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
             return native.rms_norm(x, self.weight, self.eps, x.dtype)
         return (rms_normalize(x, self.eps) * wide(self.weight)).to(x.dtype)

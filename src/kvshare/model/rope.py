@@ -108,7 +108,7 @@ class RotaryEmbedding(nn.Module):
         c, s, s_neg = self.pair_tables(positions, freqs)
         shape = (*positions.shape, *([1] * (x.dim() - 1 - positions.dim())), rd)
         c, s = c.view(shape), (s_neg if inverse else s).view(shape)
-        if (freqs.dtype == torch.float32 and positions.dim() == 1 and x.is_contiguous() and invariant.is_on()
+        if (invariant.is_on() and freqs.dtype == torch.float32 and positions.dim() == 1 and x.is_contiguous()
                 and native.serves(x)):  # the same bits in one call (kernels/decode.py)
             return native.rope(x, c.view(-1, rd), s.view(-1, rd), inplace)
         tail = x[..., -rd:]
