@@ -58,8 +58,8 @@ def linear(x: torch.Tensor, p: Packed, isa: str | None = None, fp32_totals: bool
         raise ValueError(f"kernels.linear: x has dtype {x.dtype}, the {p.fmt} weight takes {p.act_dtype}")
     if x.shape[-1] != p.k:
         raise ValueError(f"kernels.linear: x has {x.shape[-1]} inputs (last dim), the weight {p.k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, p.k)
+    flat = x.dim() == 2  # the common case: no reshapes (each a torch call)
+    x2 = x if flat else x.reshape(-1, p.k)
     path = isa or best_isa()
     if path == "torch":
         if fp32_totals:
@@ -70,4 +70,4 @@ def linear(x: torch.Tensor, p: Packed, isa: str | None = None, fp32_totals: bool
         if lib is None:
             raise RuntimeError(f"kernels.linear: isa {path!r} asked for, but the native library is unavailable")
         y = lib.gemm(x2, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, path, fp32_totals)
-    return y.reshape(*lead, p.n)
+    return y if flat else y.reshape(*x.shape[:-1], p.n)

@@ -26,6 +26,7 @@ from torch import nn
 
 from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
+from kvshare.kernels import decode as native
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
@@ -120,7 +121,7 @@ class Attention(nn.Module):
         batch = ctx.batch
         win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
         if self.ratio == 0:
-            return sparse_attention(q, win, win_valid, self.attn_sink, scale)
+            return self._attend(q, win, win_valid, scale)
         topk = self._compress_and_select(ctx, x, qr)
         seq = ctx.seq_index
         buckets = ctx.addr.length_buckets(self.ratio, invariant.BUCKET)  # a few per step, host ints
@@ -148,8 +149,19 @@ class Attention(nn.Module):
         """`sparse_attention` of query rows q [T, H, d] over their window keys, then their picked
         compressed rows (picks [T, m], -1 = none) gathered from the cache."""
         rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(picks), picks, ctx.batch)
-        keys = torch.cat([win, rows.to(win.dtype)], dim=1)
-        return sparse_attention(q, keys, torch.cat([win_valid, picks >= 0], dim=1), self.attn_sink, scale)
+        return self._attend(q, win, win_valid, scale, rows, picks >= 0)
+
+    def _attend(self, q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor, scale: float,
+                rows: torch.Tensor | None = None, rows_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`sparse_attention` of each query row over its window keys, then its compressed `rows`
+        (if any). The native kernel (`kernels.decode.sparse_attention`: no concatenation, its own
+        summation order, bounded against this torch code in tests) where it serves the tensors."""
+        if q.dtype == win.dtype and q.shape[-1] % 8 == 0 and native.attention_enabled() and native.serves(q, win):
+            return native.sparse_attention(q, win, win_valid, self.attn_sink, scale, rows, rows_valid)
+        if rows is not None:
+            win = torch.cat([win, rows.to(win.dtype)], dim=1)
+            win_valid = torch.cat([win_valid, rows_valid], dim=1)
+        return sparse_attention(q, win, win_valid, self.attn_sink, scale)
 
     def _compress_and_select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor | None:
         """Steps 1-3 of the module doc: compress, index (publish or take the top-k), write the new

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvshare.kernels import decode as native
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant
@@ -99,6 +100,12 @@ class Compressor(nn.Module):
             z = z + wide(self.ape)[addr.phase(self.ratio)]
         hist, valid = ctx.cache.history(self.name, layer, torch.cat([a, z], dim=-1), self.depth, ctx.batch,
                                         groups.rows)
+        # the same bits in one call for dims that are a multiple of 64 (the released 128 / 512 and
+        # 64 / 128): for narrower or odd rows torch's softmax / sum take other loops (scalar tails,
+        # another reduction order; measured there: not even row-invariant), so they keep the torch code
+        if invariant.is_on() and self.dim % 64 == 0 and hist.dtype == torch.float32 and native.serves(hist, x):
+            mask = valid if groups.min_pos < self.depth - 1 else None
+            return Emitted(groups, self.norm(native.compress_pool(hist, mask, self.dim, self.overlap, x.dtype)))
         w = self.coff * self.dim
         kv, score = hist[..., :w], hist[..., w:]
         if self.overlap:

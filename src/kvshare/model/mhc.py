@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.kernels import decode as native
 from kvshare.model.norm import rms_normalize
-from kvshare.ops.invariant import matmul_t, pointwise
+from kvshare.ops.invariant import is_on as invariant_on, matmul_t, pointwise
 from kvshare.precision import wide
 
 #: token counts up to which inference Sinkhorn runs through numpy (faster per call on tiny arrays;
 #: torch's vectorised kernels win beyond this, measured 0.5 ms vs 0.7 ms at 256 tokens)
 NUMPY_SINKHORN_MAX_T = 64
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether this call runs the native decode kernels (`kvshare.kernels.decode`): inside a
+    batch-invariant forward, on fp32 mixes / bf16 or fp32 streams, without autograd."""
+    return invariant_on() and native.serves(*tensors)
 
 
 def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
@@ -36,6 +43,8 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """
     t, hc, _ = h.shape
     m = matmul_t(rms_normalize((wide(h) if hw is None else hw).reshape(t, -1), rms_eps), wide(fn))
+    if invariant_on() and m.dtype == torch.float32 and _native(m, base, scale):  # one call: sigmoids, softmax, Sinkhorn
+        return native.mhc_post(m, base, scale, hc, hc_eps, iters)
     post, comb = hc_post_comb(m, base, scale, hc, hc_eps, iters)
     return hc_pre_of(m, base, scale, hc, hc_eps), post, comb
 
@@ -98,12 +107,16 @@ def _sinkhorn_numpy(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tens
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor, hw: torch.Tensor | None = None) -> torch.Tensor:
     """[T, D] = sum_j pre[:, j] h[:, j] (fp32 accumulate, cast to h's dtype); `hw` = wide(h) if known."""
+    if invariant_on() and pre.dtype == torch.float32 and _native(h, pre):  # the same bits in one call
+        return native.mhc_collapse(h, pre)
     return (pre.unsqueeze(-1) * (wide(h) if hw is None else hw)).sum(dim=1).to(h.dtype)
 
 
 def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
               hw: torch.Tensor | None = None) -> torch.Tensor:
     """[T, hc, D]: h'_k = post_k y + sum_j comb[j, k] h_j; `hw` = wide(h) if the caller has it."""
+    if invariant_on() and y.dtype == h.dtype and comb.dtype == torch.float32 and _native(h, y, post, comb):  # the same bits
+        return native.mhc_expand(h, y, post, comb)
     mixed = torch.einsum("tjk,tjd->tkd", comb, wide(h) if hw is None else hw)
     return mixed.add_(post.unsqueeze(-1) * wide(y).unsqueeze(1)).to(h.dtype)  # + commutes: same bits
 

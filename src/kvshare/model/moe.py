@@ -25,11 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.config import ModelConfig
+from kvshare.kernels import decode as native
 from kvshare.model.linear import Linear, QLinear
 from kvshare.model.quantize import QuantMode, act_quant
 from kvshare.ops import stable_topk
-from kvshare.ops.invariant import matmul_t, pointwise
+from kvshare.ops.invariant import is_on as invariant_on, matmul_t, pointwise
 from kvshare.precision import wide
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether the native MoE kernels (`kernels.decode.swiglu` / `moe_combine`, the same bits) serve
+    these tensors: inside a batch-invariant forward, bf16 / fp32 CPU tensors without autograd."""
+    return invariant_on() and native.serves(*tensors)
 
 
 class Expert(nn.Module):
@@ -73,6 +80,21 @@ class Gate(nn.Module):
         logits = matmul_t(wide(x), wide(self.weight))
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
+        if (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")
+                and logits.dtype == torch.float32 and self.bias.dtype == torch.float32
+                and _native(logits)):  # the same bits and picks in one call
+            weights, ids = native.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.scoring_func)
+        else:
+            weights, ids = self._route(logits, input_ids)
+        k = cfg.num_experts_per_tok
+        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+    def _route(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores of the picks [T, k], picks [T, k]) from the gate logits (the torch code)."""
+        cfg = self.cfg
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         elif cfg.scoring_func == "sigmoid":
@@ -83,11 +105,7 @@ class Gate(nn.Module):
             ids = self.tid2eid[input_ids].long()
         else:
             _, ids = stable_topk(scores + wide(self.bias), cfg.num_experts_per_tok)
-        weights = scores.gather(1, ids)
-        k = cfg.num_experts_per_tok
-        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return scores.gather(1, ids), ids
 
 
 class MoE(nn.Module):
@@ -123,6 +141,8 @@ class MoE(nn.Module):
         row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
         out = _run_experts(groups, x[rows], row_w)
         n_sel = sel.numel()
+        if invariant_on() and n_sel == t * k and self.reduce is None and _native(out) and sel.is_contiguous():  # same bits, one call
+            return native.moe_combine(out, sel, t, k)
         if n_sel == t * k:  # every slot is local: gather each token's k outputs in slot order
             where = torch.empty_like(sel)
             where[sel] = torch.arange(n_sel, device=x.device)
@@ -175,6 +195,9 @@ def _run_experts(groups: list[tuple[Expert, int]], xs: torch.Tensor, weight: tor
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
     """``(wide(silu(min(gate, limit)) * clamp(up)) * weight).to(gate.dtype)``, overwriting the fresh
     GEMM outputs gate and up (in-place ops: the same values as `Expert.forward`'s)."""
+    if (invariant_on() and weight.dtype == torch.float32 and _native(gate, up) and gate.is_contiguous()
+            and up.is_contiguous()):
+        return native.swiglu(gate, up, weight.contiguous(), limit)  # the same bits in one call
     if limit > 0:
         gate.clamp_(max=limit)
         up.clamp_(-limit, limit)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from kvshare.kernels import decode as native
+from kvshare.ops import invariant
 from kvshare.precision import wide
+
+
+def _native(x: torch.Tensor) -> bool:
+    """Whether the native RMSNorm (`kernels.decode.rms_norm`, the same bits) serves x: inside a
+    batch-invariant forward, a contiguous bf16 / fp32 CPU tensor of rows of at least 8 (torch sums
+    shorter rows with a scalar loop whose order changes with the row count) without autograd."""
+    return invariant.is_on() and x.dim() > 0 and x.shape[-1] >= 8 and native.serves(x) and x.is_contiguous()
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, computed in fp32 (no weight), returned as fp32."""
+    if _native(x):
+        return native.rms_norm(x, None, eps, torch.float32)
     xf = wide(x)
     return xf * _inv_rms(xf, eps)
 
@@ -29,6 +40,8 @@ def rms_normalize_as(x: torch.Tensor, eps: float) -> torch.Tensor:
     temporaries small (a whole [T, H, 512] fp32 temporary is a fresh memory mapping per call,
     whose page faults cost more than the arithmetic). Autograd: the whole-tensor ops.
     """
+    if _native(x):
+        return native.rms_norm(x, None, eps, x.dtype)
     if x.numel() < PIECED_FROM or x.dim() == 0 or torch.is_grad_enabled() and x.requires_grad:
         return rms_normalize(x, eps).to(x.dtype)
     rows = x.reshape(-1, x.shape[-1])
@@ -52,4 +65,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.is_on() and self.weight.dtype == torch.float32 and _native(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return native.rms_norm(x, self.weight, self.eps, x.dtype)
         return (rms_normalize(x, self.eps) * wide(self.weight)).to(x.dtype)

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from kvshare.config import YarnConfig
+from kvshare.kernels import decode as native
+from kvshare.ops import invariant
 from kvshare.precision import version_of
 
 TABLES_KEPT = 4  # a step rotates at its token positions and at each layer's new entry positions
@@ -106,6 +108,9 @@ class RotaryEmbedding(nn.Module):
         c, s, s_neg = self.pair_tables(positions, freqs)
         shape = (*positions.shape, *([1] * (x.dim() - 1 - positions.dim())), rd)
         c, s = c.view(shape), (s_neg if inverse else s).view(shape)
+        if (invariant.is_on() and freqs.dtype == torch.float32 and positions.dim() == 1 and x.is_contiguous()
+                and native.serves(x)):  # the same bits in one call (kernels/decode.py)
+            return native.rope(x, c.view(-1, rd), s.view(-1, rd), inplace)
         tail = x[..., -rd:]
         t = tail.to(freqs.dtype)
         if torch.is_grad_enabled() and x.requires_grad:  # out= records no autograd graph

@@ -100,11 +100,11 @@ def native_pack(w: torch.Tensor):
 
 def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` ([..., K] x [N, K] -> [..., N]) with each row's bits independent of the other rows."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the common case: no reshapes (each a torch call)
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     packed = native_pack(w) if x2.dtype == w.dtype else None
     out = kernels.linear(x2, packed) if packed is not None else fallback.rows(x2, w)
-    return out.reshape(*lead, w.shape[0])
+    return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

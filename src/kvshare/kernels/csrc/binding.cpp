@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "gemm.h"
+#include "decode.h"
 
 namespace kk = kvshare_kernels;
 
@@ -51,9 +52,17 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   torch::Tensor xin;
   if (f32) {
     xin = x.contiguous();
-  } else {
-    xin = torch::zeros({amx ? (m + 31) / 32 * 32 : m, kp}, x.options());
-    xin.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  } else {  // padded copy written here, not by torch ops (a decode step makes ~130 of these calls)
+    const int64_t rows = amx ? (m + 31) / 32 * 32 : m;
+    xin = torch::empty({rows, kp}, x.options());
+    const auto xc = x.contiguous();
+    const auto* src = static_cast<const uint16_t*>(xc.data_ptr());
+    auto* dst = static_cast<uint16_t*>(xin.data_ptr());
+    for (int64_t r = 0; r < m; ++r) {
+      memcpy(dst + r * kp, src + r * k, sizeof(uint16_t) * k);
+      if (kp > k) memset(dst + r * kp + k, 0, sizeof(uint16_t) * (kp - k));
+    }
+    if (rows > m) memset(dst + m * kp, 0, sizeof(uint16_t) * (rows - m) * kp);
   }
   auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (m == 0 || n == 0) return y;
@@ -75,7 +84,231 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   return y;
 }
 
+// ---- decode-step kernels (decode.h): thin checks, then one call over all rows ----
+static void check_rows(const torch::Tensor& t, const char* name, torch::ScalarType want) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "kernels.decode: ", name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == want, "kernels.decode: ", name, " has dtype ", t.scalar_type(), ", expected ", want);
+}
+
+static void check_stream_dtype(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "kernels.decode: ", name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kFloat32,
+              "kernels.decode: ", name, " must be bf16 or fp32, got ", t.scalar_type());
+}
+
+// (pre [T, hc], post [T, hc], comb [T, hc, hc]) from the mixes m [T, >= (2 + hc) hc] fp32.
+static std::vector<torch::Tensor> mhc_post(torch::Tensor m, torch::Tensor base, torch::Tensor scale, int64_t hc,
+                                           double eps, int64_t iters) {
+  check_rows(m, "m", torch::kFloat32);
+  check_rows(base, "base", torch::kFloat32);
+  check_rows(scale, "scale", torch::kFloat32);
+  TORCH_CHECK(hc >= 1 && hc <= 16, "kernels.mhc_post: hc must be in [1, 16], got ", hc);
+  TORCH_CHECK(iters >= 1, "kernels.mhc_post: iters must be >= 1, got ", iters);
+  TORCH_CHECK(m.dim() == 2 && m.size(1) >= (2 + hc) * hc, "kernels.mhc_post: m must be [T, ", (2 + hc) * hc, "], got ", m.sizes());
+  TORCH_CHECK(base.numel() == (2 + hc) * hc && scale.numel() == 3, "kernels.mhc_post: base must have ",
+              (2 + hc) * hc, " and scale 3 entries");
+  const int64_t t = m.size(0);
+  auto opt = m.options();
+  auto pre = torch::empty({t, hc}, opt), post = torch::empty({t, hc}, opt), comb = torch::empty({t, hc, hc}, opt);
+  kk::mhc_post(m.data_ptr<float>(), t, m.size(1), base.data_ptr<float>(), scale.data_ptr<float>(), static_cast<int>(hc),
+               static_cast<float>(eps), static_cast<int>(iters), pre.data_ptr<float>(), post.data_ptr<float>(),
+               comb.data_ptr<float>());
+  return {pre, post, comb};
+}
+
+// Sinkhorn divisions in place on comb [T, hc, hc] fp32.
+static void sinkhorn_(torch::Tensor comb, double eps, int64_t iters) {
+  check_rows(comb, "comb", torch::kFloat32);
+  TORCH_CHECK(comb.dim() == 3 && comb.size(1) == comb.size(2) && comb.size(1) <= 16,
+              "kernels.sinkhorn_: comb must be [T, hc, hc] with hc <= 16, got ", comb.sizes());
+  kk::sinkhorn(comb.data_ptr<float>(), comb.size(0), static_cast<int>(comb.size(1)), static_cast<float>(eps),
+               static_cast<int>(iters));
+}
+
+// x [T, D] in h's dtype = sum_j pre[:, j] h[:, j] for h [T, hc, D].
+static torch::Tensor mhc_collapse(torch::Tensor h, torch::Tensor pre) {
+  check_stream_dtype(h, "h");
+  check_rows(pre, "pre", torch::kFloat32);
+  TORCH_CHECK(h.dim() == 3 && h.size(1) <= 16 && pre.dim() == 2 && pre.size(0) == h.size(0) && pre.size(1) == h.size(1),
+              "kernels.mhc_collapse: h [T, hc, D] and pre [T, hc] do not fit: ", h.sizes(), " and ", pre.sizes());
+  auto out = torch::empty({h.size(0), h.size(2)}, h.options());
+  kk::mhc_collapse(h.data_ptr(), h.scalar_type() == torch::kBFloat16, pre.data_ptr<float>(), h.size(0),
+                   static_cast<int>(h.size(1)), h.size(2), out.data_ptr());
+  return out;
+}
+
+// h' [T, hc, D] = post_k y + sum_j comb[j, k] h_j, in h's dtype.
+static torch::Tensor mhc_expand(torch::Tensor h, torch::Tensor y, torch::Tensor post, torch::Tensor comb) {
+  check_stream_dtype(h, "h");
+  check_rows(y, "y", h.scalar_type());
+  check_rows(post, "post", torch::kFloat32);
+  check_rows(comb, "comb", torch::kFloat32);
+  const int64_t t = h.size(0), hc = h.size(1), d = h.size(2);
+  TORCH_CHECK(h.dim() == 3 && hc <= 16 && y.dim() == 2 && y.size(0) == t && y.size(1) == d && post.dim() == 2 &&
+              post.size(0) == t && post.size(1) == hc && comb.dim() == 3 && comb.size(0) == t && comb.size(1) == hc &&
+              comb.size(2) == hc, "kernels.mhc_expand: shapes do not fit: h ", h.sizes(), ", y ", y.sizes(), ", post ",
+              post.sizes(), ", comb ", comb.sizes());
+  auto out = torch::empty_like(h);
+  kk::mhc_expand(h.data_ptr(), y.data_ptr(), h.scalar_type() == torch::kBFloat16, post.data_ptr<float>(),
+                 comb.data_ptr<float>(), t, static_cast<int>(hc), d, out.data_ptr());
+  return out;
+}
+
+// RoPE on the last rd dims of x [P, ..., D] with tables c, s [P, rd] fp32 (decode.h); in place when asked.
+static torch::Tensor rope(torch::Tensor x, torch::Tensor c, torch::Tensor s, bool inplace) {
+  check_stream_dtype(x, "x");
+  check_rows(c, "c", torch::kFloat32);
+  check_rows(s, "s", torch::kFloat32);
+  TORCH_CHECK(x.dim() >= 1 && c.dim() == 2 && s.sizes() == c.sizes(), "kernels.rope: c and s must be [P, rd], got ",
+              c.sizes(), " and ", s.sizes());
+  const int64_t d = x.size(-1), p = c.size(0), rd = c.size(1);
+  TORCH_CHECK(rd % 2 == 0 && rd <= d, "kernels.rope: rope dims ", rd, " must be even and <= the last dim ", d);
+  TORCH_CHECK(p > 0 ? x.numel() % (p * d) == 0 && x.size(0) == p : x.numel() == 0,
+              "kernels.rope: x ", x.sizes(), " does not start with the ", p, " positions of the tables");
+  auto out = inplace ? x : torch::empty_like(x);
+  if (x.numel() == 0) return out;
+  kk::rope(x.data_ptr(), x.scalar_type() == torch::kBFloat16, c.data_ptr<float>(), s.data_ptr<float>(), p,
+           x.numel() / (p * d), d, rd, out.data_ptr());
+  return out;
+}
+
+// Compressor pooling (decode.h) of hist [T, S, 2W] fp32 with an optional valid mask [T, S] (bool).
+static torch::Tensor compress_pool(torch::Tensor hist, c10::optional<torch::Tensor> valid, int64_t d, bool overlap,
+                                   torch::ScalarType out_dtype) {
+  check_rows(hist, "hist", torch::kFloat32);
+  const int64_t w = (overlap ? 2 : 1) * d;
+  TORCH_CHECK(hist.dim() == 3 && hist.size(2) == 2 * w && d > 0, "kernels.compress_pool: hist must be [T, S, ", 2 * w,
+              "], got ", hist.sizes());
+  const int64_t t = hist.size(0), s = hist.size(1);
+  TORCH_CHECK(s >= 1 && s <= 1024 && (!overlap || s % 2 == 0), "kernels.compress_pool: slots ", s,
+              " must be in [1, 1024] (even with overlap)");
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.compress_pool: out dtype must be bf16 or fp32");
+  const uint8_t* vp = nullptr;
+  if (valid.has_value()) {
+    check_rows(*valid, "valid", torch::kBool);
+    TORCH_CHECK(valid->dim() == 2 && valid->size(0) == t && valid->size(1) == s, "kernels.compress_pool: valid must be [",
+                t, ", ", s, "], got ", valid->sizes());
+    vp = reinterpret_cast<const uint8_t*>(valid->data_ptr<bool>());
+  }
+  auto out = torch::empty({t, d}, hist.options().dtype(out_dtype));
+  kk::compress_pool(hist.data_ptr<float>(), vp, t, s, d, overlap ? 1 : 0, out_dtype == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
+// Sparse attention (decode.h): q [T, H, d]; keys ka [T, Ma, d] with va [T, Ma] (bool), optionally
+// kb [T, Mb, d] with vb [T, Mb]; sink [H] fp32.
+static torch::Tensor sparse_attention(torch::Tensor q, torch::Tensor ka, torch::Tensor va, c10::optional<torch::Tensor> kb,
+                                      c10::optional<torch::Tensor> vb, torch::Tensor sink, double scale) {
+  check_stream_dtype(q, "q");
+  check_rows(ka, "ka", q.scalar_type());
+  check_rows(va, "va", torch::kBool);
+  check_rows(sink, "sink", torch::kFloat32);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) % 8 == 0 && q.size(2) <= 1024, "kernels.sparse_attention: q must be [T, H, d] with d a multiple of 8 up to 1024, got ", q.sizes());
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  TORCH_CHECK(ka.dim() == 3 && ka.size(0) == t && ka.size(2) == d && va.dim() == 2 && va.size(0) == t &&
+              va.size(1) == ka.size(1), "kernels.sparse_attention: ka ", ka.sizes(), " / va ", va.sizes(), " do not fit q ", q.sizes());
+  TORCH_CHECK(sink.numel() == h, "kernels.sparse_attention: sink has ", sink.numel(), " entries for ", h, " heads");
+  TORCH_CHECK(kb.has_value() == vb.has_value(), "kernels.sparse_attention: kb and vb go together");
+  int64_t mb = 0;
+  const void* kbp = nullptr;
+  const uint8_t* vbp = nullptr;
+  if (kb.has_value()) {
+    check_rows(*kb, "kb", q.scalar_type());
+    check_rows(*vb, "vb", torch::kBool);
+    TORCH_CHECK(kb->dim() == 3 && kb->size(0) == t && kb->size(2) == d && vb->dim() == 2 && vb->size(0) == t &&
+                vb->size(1) == kb->size(1), "kernels.sparse_attention: kb ", kb->sizes(), " / vb ", vb->sizes(), " do not fit q ", q.sizes());
+    mb = kb->size(1);
+    kbp = kb->data_ptr();
+    vbp = reinterpret_cast<const uint8_t*>(vb->data_ptr<bool>());
+  }
+  auto out = torch::empty_like(q);
+  if (t == 0 || h == 0) return out;
+  kk::sparse_attention(q.data_ptr(), ka.data_ptr(), reinterpret_cast<const uint8_t*>(va.data_ptr<bool>()), ka.size(1),
+                       kbp, vbp, mb, sink.data_ptr<float>(), t, h, d, static_cast<float>(scale),
+                       q.scalar_type() == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
+// RMSNorm over the last dim of x (decode.h); weight [n] fp32 or None; out dtype bf16 / fp32.
+static torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, double eps, torch::ScalarType out_dtype) {
+  check_stream_dtype(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) <= (1 << 20), "kernels.rms_norm: x must have a last dim in [1, 2^20], got ", x.sizes());
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.rms_norm: out dtype must be bf16 or fp32");
+  const int64_t n = x.size(-1);
+  const float* wp = nullptr;
+  if (weight.has_value()) {
+    check_rows(*weight, "weight", torch::kFloat32);
+    TORCH_CHECK(weight->numel() == n, "kernels.rms_norm: weight has ", weight->numel(), " entries for rows of ", n);
+    wp = weight->data_ptr<float>();
+  }
+  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel() == 0) return out;
+  kk::rms_norm(x.data_ptr(), x.scalar_type() == torch::kBFloat16, wp, x.numel() / n, n, static_cast<float>(eps),
+               out_dtype == torch::kBFloat16, out.data_ptr());
+  return out;
+}
+
+// MoE SwiGLU (decode.h): gate, up [N, I] (bf16 / fp32, same dtype), weight [N] fp32.
+static torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up, torch::Tensor weight, double limit) {
+  check_stream_dtype(gate, "gate");
+  check_rows(up, "up", gate.scalar_type());
+  check_rows(weight, "weight", torch::kFloat32);
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && weight.numel() == gate.size(0),
+              "kernels.swiglu: gate ", gate.sizes(), ", up ", up.sizes(), " and weight ", weight.sizes(), " do not fit");
+  auto out = torch::empty_like(gate);
+  kk::swiglu(gate.data_ptr(), up.data_ptr(), gate.scalar_type() == torch::kBFloat16, weight.data_ptr<float>(),
+             gate.size(0), gate.size(1), static_cast<float>(limit), out.data_ptr());
+  return out;
+}
+
+// MoE combine (decode.h): out [n_sel + T, D] expert outputs (routed rows, then the shared expert's),
+// sel [n_sel] int64 the slot (t * k + j) of each routed row (n_sel == T * k).
+static torch::Tensor moe_combine(torch::Tensor out, torch::Tensor sel, int64_t t, int64_t k) {
+  check_stream_dtype(out, "out");
+  check_rows(sel, "sel", torch::kInt64);
+  TORCH_CHECK(k >= 1 && t >= 0 && sel.numel() == t * k && out.dim() == 2 && out.size(0) == t * k + t,
+              "kernels.moe_combine: out ", out.sizes(), " / sel ", sel.sizes(), " do not fit T = ", t, ", k = ", k);
+  auto sp = sel.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t * k; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < t * k, "kernels.moe_combine: sel holds slot ", sp[i], " outside [0, ", t * k, ")");
+  auto y = torch::empty({t, out.size(1)}, out.options());
+  kk::moe_combine(out.data_ptr(), out.scalar_type() == torch::kBFloat16, sp, t, k, out.size(1), t * k, y.data_ptr());
+  return y;
+}
+
+// MoE routing (decode.h): logits [T, E] fp32, bias [E] fp32 or None, k <= E, func "sqrtsoftplus" | "sigmoid".
+static std::vector<torch::Tensor> moe_route(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t k,
+                                            const std::string& func) {
+  check_rows(logits, "logits", torch::kFloat32);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.size(1) <= (1 << 16), "kernels.moe_route: logits must be [T, E], got ", logits.sizes());
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "kernels.moe_route: k = ", k, " must be in [1, ", logits.size(1), "]");
+  TORCH_CHECK(func == "sqrtsoftplus" || func == "sigmoid", "kernels.moe_route: func must be sqrtsoftplus or sigmoid, got ", func);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_rows(*bias, "bias", torch::kFloat32);
+    TORCH_CHECK(bias->numel() == logits.size(1), "kernels.moe_route: bias has ", bias->numel(), " entries for ", logits.size(1), " experts");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t t = logits.size(0);
+  auto w = torch::empty({t, k}, logits.options());
+  auto ids = torch::empty({t, k}, logits.options().dtype(torch::kInt64));
+  kk::moe_route(logits.data_ptr<float>(), bp, t, logits.size(1), k, func == "sigmoid" ? 1 : 0, w.data_ptr<float>(),
+                ids.data_ptr<int64_t>());
+  return {w, ids};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
+  mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
+  mod.def("sinkhorn_", &sinkhorn_, "mHC Sinkhorn divisions in place (decode.h)");
+  mod.def("mhc_collapse", &mhc_collapse, "mHC collapse of the streams (decode.h)");
+  mod.def("mhc_expand", &mhc_expand, "mHC expand of a sublayer output into the streams (decode.h)");
+  mod.def("rope", &rope, "interleaved RoPE on the trailing dims with per-position tables (decode.h)");
+  mod.def("compress_pool", &compress_pool, "compressor softmax pooling over a group's slots (decode.h)");
+  mod.def("sparse_attention", &sparse_attention, "sparse attention with a sink over two key sources (decode.h)");
+  mod.def("rms_norm", &rms_norm, "RMSNorm rows with torch's summation order (decode.h)");
+  mod.def("swiglu", &swiglu, "MoE SwiGLU with the routing weight (decode.h)");
+  mod.def("moe_combine", &moe_combine, "MoE combine of routed slots and the shared expert (decode.h)");
+  mod.def("moe_route", &moe_route, "MoE gate scores and stable top-k (decode.h)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

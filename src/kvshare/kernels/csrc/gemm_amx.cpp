@@ -113,7 +113,9 @@ static void decode_group(const GemmArgs& a, int64_t nb, WP* dst) {
 }
 
 // Rows [m0, m0 + 32) x the G groups of wsrc: four C tiles over all of K.
-template <int G>
+// H: the row tiles computed (2, or 1 when rows m0 + 16.. are all padding: C tiles 2 and 3 depend
+// only on them, so skipping them changes no bit of the rows kept).
+template <int G, int H>
 static void tile_rows(const GemmArgs& a, int64_t m0, const uint8_t* const* wsrc, int64_t nb, bool stream, float* out) {
   const int64_t P = a.KP / 2;
   const uint16_t* x0 = static_cast<const uint16_t*>(a.x) + m0 * a.KP;
@@ -127,21 +129,21 @@ static void tile_rows(const GemmArgs& a, int64_t m0, const uint8_t* const* wsrc,
       for (int g = 0; g < G; ++g)
         for (int l = 0; l < 16; ++l) __builtin_prefetch(wsrc[g] + (p0 + 64) * 64 + l * 64, 0, 3);
     _tile_loadd(4, x0 + 2 * p0, a.KP * 2);
-    _tile_loadd(5, x1 + 2 * p0, a.KP * 2);
+    if (H == 2) _tile_loadd(5, x1 + 2 * p0, a.KP * 2);
     _tile_loadd(6, wsrc[0] + p0 * 64, 64);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
+    if (H == 2) _tile_dpbf16ps(2, 5, 6);
     if (G == 2) {
       _tile_loadd(7, wsrc[1] + p0 * 64, 64);
       _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
+      if (H == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, out, 128);  // out [32 rows][2 groups][16]
-  _tile_stored(2, out + 16 * 32, 128);
+  if (H == 2) _tile_stored(2, out + 16 * 32, 128);
   if (G == 2) {
     _tile_stored(1, out + 16, 128);
-    _tile_stored(3, out + 16 * 32 + 16, 128);
+    if (H == 2) _tile_stored(3, out + 16 * 32 + 16, 128);
   }
   const int64_t rows = min64(32, a.M - m0);
   for (int64_t r = 0; r < rows; ++r)
@@ -191,8 +193,9 @@ void gemm_amx(const GemmArgs* ap) {
       }
       for (int64_t m0 = ms; m0 < me; m0 += 32) {
         const bool stream = !scaled && m0 == ms;
-        if (g_count == 2) tile_rows<2>(a, m0, wsrc, nb, stream, out);
-        else tile_rows<1>(a, m0, wsrc, nb, stream, out);
+        const bool half = a.M - m0 <= 16;
+        if (g_count == 2) half ? tile_rows<2, 1>(a, m0, wsrc, nb, stream, out) : tile_rows<2, 2>(a, m0, wsrc, nb, stream, out);
+        else half ? tile_rows<1, 1>(a, m0, wsrc, nb, stream, out) : tile_rows<1, 2>(a, m0, wsrc, nb, stream, out);
       }
     }
   }

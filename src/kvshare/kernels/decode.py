@@ -1,0 +1,168 @@
+"""The native decode-step kernels outside the GEMMs (csrc/decode.cpp), with the switch that selects them.
+
+Each kernel computes every row from that row's inputs alone, in one call for all rows of a step
+(no per-row Python, no host sync), so it keeps the batch-invariance contract of `ops/invariant.py`.
+The model uses them inside a batch-invariant forward (`model/mhc.py`), where the torch code they
+replace stays the reference and the fallback:
+
+* `mhc_post`: mHC pre / post / comb from the mixes, the same bits as `hc_pre_of` + `hc_post_comb`:
+  exp is SLEEF's vector expf (exported by libtorch_cpu), which torch's vectorised sigmoid and
+  softmax call; sigmoid = 1 / (1 + exp(0 - z)); softmax = exp(z - max) * (1 / sequential sum);
+  Sinkhorn sums in increasing index order from 0, + eps, divide.
+* `rope`: the rotation of `model/rope.py` (the same bits: each product rounded, then the sum,
+  then the cast) from its per-position (C, S) tables, in one call instead of six ops.
+* `compress_pool`: a compressor's softmax pooling over its history slots (`model/compressor.py`),
+  the same bits as ``(torch.softmax(score, dim=1) * kv).sum(dim=1)``: SLEEF exp, the softmax's
+  sequential sum and division, and the cascade torch's sum kernel uses over the slots.
+* `sparse_attention`: attention with the per-head sink over a row's window keys and its gathered
+  compressed rows, read in place (no concatenation). NOT the torch path's bits: torch's products
+  are MKL batched GEMMs whose summation order is MKL's; this kernel sums each dot product in 8
+  fma lanes (lanes added pairwise) and the weighted values in key order. The difference is
+  bounded in tests/test_native_decode.py; batch invariance holds by construction (one row at a time).
+* `rms_norm`: RMSNorm rows (`model/norm.py`), the same bits: squares, torch's sum of a contiguous
+  row (the AVX2 inner-sum kernel, which torch also runs under AVX-512: 8-lane vectors in 4 streams,
+  cascaded), ``/ n``, ``+ eps``, ``1 / sqrt``, then ``x * r`` and ``* weight`` rounded one by one.
+* `moe_route`: the gate's scores (sqrt(softplus) or sigmoid: SLEEF exp / log1p as torch's vector
+  kernels; the sqrt is MKL's vmsSqrt, which torch.sqrt calls and which is not always correctly
+  rounded) and the stable top-k of scores + bias (ties toward the lower expert id), the same bits
+  and ids as `Gate.forward`'s torch code.
+* `swiglu`, `moe_combine`: the MoE's clamped SwiGLU times the routing weight, and the per-token
+  sum of its k routed slots plus the shared expert, the same bits as `model/moe.py` (SLEEF exp in
+  silu = g / (1 + exp(-g)), every rounding to the model dtype where torch rounds, torch's cascade
+  order over the k slots).
+* `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
+  rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
+  batched product does, plus the rounded ``post * y``).
+
+`enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
+``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
+callers then run the torch code. ``KVSHARE_NATIVE_ATTENTION=off`` keeps the other kernels and runs
+the torch attention (`attention_enabled()`), so a forward has exactly the torch path's bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvshare.kernels.build import best_isa, library
+
+_SWITCH: dict[str, bool | None] = {"on": None, "attention": None}
+
+
+def set_enabled(on: bool | None, attention: bool | None = None) -> None:
+    """Force the native decode kernels on / off for this process (None: back to the environment);
+    `attention` likewise for `sparse_attention` alone (the one kernel with bits of its own)."""
+    _SWITCH["on"] = on
+    _SWITCH["attention"] = attention
+
+
+def attention_enabled() -> bool:
+    """Whether `sparse_attention` serves the model: `enabled()` and not switched off by
+    ``KVSHARE_NATIVE_ATTENTION=off`` or ``set_enabled(..., attention=False)``."""
+    forced = _SWITCH["attention"]
+    if forced is False:
+        return False
+    if forced is None and os.environ.get("KVSHARE_NATIVE_ATTENTION", "").lower() in ("off", "0", "torch"):
+        return False
+    return enabled()
+
+
+def enabled() -> bool:
+    """Whether the model runs the native decode kernels (see module doc)."""
+    forced = _SWITCH["on"]
+    if forced is False:
+        return False
+    if forced is None and os.environ.get("KVSHARE_NATIVE_DECODE", "").lower() in ("off", "0", "torch"):
+        return False
+    return best_isa() != "torch"
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels are on and take these tensors (CPU, bf16 / fp32, no autograd)."""
+    if not enabled():
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if t.requires_grad and torch.is_grad_enabled():
+            return False
+    return True
+
+
+def _lib():
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kernels.decode: the native library is unavailable (check kernels.decode.enabled())")
+    return lib
+
+
+def mhc_post(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, hc_eps: float,
+             iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 from mixes m [T, (2 + hc) hc] (spec §7.1 steps 2-3)."""
+    return tuple(_lib().mhc_post(m.contiguous(), base.float().contiguous(), scale.float().contiguous(), hc,
+                                 hc_eps, iters))  # type: ignore[return-value]
+
+
+def sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """The (iters - 1) Sinkhorn row / column divisions in place on comb [T, hc, hc] fp32 (contiguous)."""
+    _lib().sinkhorn_(comb, hc_eps, iters)
+    return comb
+
+
+def mhc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, D] in h's dtype: sum_j pre[:, j] h[:, j] accumulated in fp32."""
+    return _lib().mhc_collapse(h.contiguous(), pre.float().contiguous())
+
+
+def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """[T, hc, D] in h's dtype: post_k y + sum_j comb[j, k] h_j in fp32."""
+    return _lib().mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
+                             comb.float().contiguous())
+
+
+def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
+    fp32 (`RotaryEmbedding.pair_tables`); overwrites x when `inplace`."""
+    return _lib().rope(x, c.contiguous(), s.contiguous(), inplace)
+
+
+def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[T, d] in `dtype`: softmax over the slots of the scores times the kv rows, from a compressor's
+    history hist [T, S, 2 coff d] fp32 (see `model/compressor.py`); `valid` [T, S] masks slots."""
+    return _lib().compress_pool(hist.contiguous(), None if valid is None else valid.contiguous(), d, overlap, dtype)
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float,
+                     keys2: torch.Tensor | None = None, valid2: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H, d] in q's dtype: `ops.sparse_attention` over keys [T, M, d] (mask valid [T, M]) followed by
+    keys2 [T, M2, d] (mask valid2), without concatenating them (see module doc for the order)."""
+    k2 = None if keys2 is None else keys2.to(q.dtype).contiguous()
+    v2 = None if valid2 is None else valid2.contiguous()
+    return _lib().sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
+                                   sink.float().contiguous(), scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm over the last dim of x (contiguous, bf16 / fp32), times `weight` (fp32) if given, in `dtype`."""
+    return _lib().rms_norm(x, weight, eps, dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
+    """[N, I] in gate's dtype: ``weight * silu(min(gate, limit)) * clamp(up, -limit, limit)`` as `model/moe.py`."""
+    return _lib().swiglu(gate, up, weight, limit)
+
+
+def moe_combine(out: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """[T, D] in out's dtype: each token's k routed rows of `out` (row i holds slot ``sel[i]``) summed
+    in fp32, plus its shared-expert row ``out[T k + t]``."""
+    return _lib().moe_combine(out, sel, t, k)
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, func: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32: the scores of the picks, ids [T, k] int64: descending, ties to the lower
+    id) from gate logits [T, E] fp32; `func` "sqrtsoftplus" or "sigmoid"."""
+    w, ids = _lib().moe_route(logits, bias, k, func)
+    return w, ids
