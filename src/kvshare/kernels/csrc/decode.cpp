@@ -375,9 +375,12 @@ inline int ceil_log2(int64_t n) {
   return c;
 }
 
-// torch's sum of a contiguous fp32 row (SumKernel: vectorized_inner_sum -> row_sum -> multi_row_sum).
-inline float torch_inner_sum(const float* v, int64_t n) {
-  const int64_t vec_size = n / 8, size_ilp = vec_size / 4;
+// torch's row_sum over n vectors (SumKernel): four interleaved streams (vector i goes to stream
+// i % 4) cascaded over n / 4 steps, the leftover vectors added to stream 0, then streams 1-3 added
+// to stream 0 in order. (cascade_sum8 is its multi_row_sum with one stream.) `load(c)` gives vector c.
+template <class Load>
+inline __m256 row_sum8_of(Load load, int64_t n) {
+  const int64_t size_ilp = n / 4;
   __m256 ps[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   if (size_ilp > 0) {
     const int p = ceil_log2(size_ilp) / 4 > 4 ? ceil_log2(size_ilp) / 4 : 4;
@@ -388,7 +391,7 @@ inline float torch_inner_sum(const float* v, int64_t n) {
     int64_t i = 0;
     while (i + step <= size_ilp) {
       for (int64_t j = 0; j < step; ++j, ++i)
-        for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(v + (i * 4 + k) * 8));
+        for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], load(i * 4 + k));
       for (int j = 1; j < 4; ++j) {
         for (int k = 0; k < 4; ++k) {
           acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
@@ -398,17 +401,25 @@ inline float torch_inner_sum(const float* v, int64_t n) {
       }
     }
     for (; i < size_ilp; ++i)
-      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(v + (i * 4 + k) * 8));
+      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], load(i * 4 + k));
     for (int j = 1; j < 4; ++j)
       for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
     for (int k = 0; k < 4; ++k) ps[k] = acc[0][k];
   }
-  for (int64_t c = size_ilp * 4; c < vec_size; ++c) ps[0] = _mm256_add_ps(ps[0], _mm256_loadu_ps(v + c * 8));
+  for (int64_t c = size_ilp * 4; c < n; ++c) ps[0] = _mm256_add_ps(ps[0], load(c));
   for (int k = 1; k < 4; ++k) ps[0] = _mm256_add_ps(ps[0], ps[k]);
+  return ps[0];
+}
+
+// torch's sum of a contiguous fp32 row (SumKernel: vectorized_inner_sum -> row_sum -> multi_row_sum):
+// row_sum over the row's whole vectors, then the scalar tail, then the 8 lanes in order.
+inline float torch_inner_sum(const float* v, int64_t n) {
+  const int64_t vec_size = n / 8;
+  const __m256 total = row_sum8_of([v](int64_t c) { return _mm256_loadu_ps(v + c * 8); }, vec_size);
   float fin = 0.0f;
   for (int64_t k = vec_size * 8; k < n; ++k) fin += v[k];
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, ps[0]);
+  _mm256_store_ps(lanes, total);
   for (int l = 0; l < 8; ++l) fin += lanes[l];
   return fin;
 }
@@ -474,39 +485,8 @@ void swiglu(const void* gate, const void* up, int bf16, const float* weight, int
 
 namespace {
 
-// torch's row_sum over n vectors (SumKernel): four interleaved streams (vector i goes to stream
-// i % 4) cascaded over n / 4 steps, the leftover vectors added to stream 0, then streams 1-3 added
-// to stream 0 in order. (cascade_sum8 is its multi_row_sum with one stream.)
 inline __m256 row_sum8(const __m256* v, int64_t n) {
-  const int64_t size_ilp = n / 4;
-  __m256 ps[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  if (size_ilp > 0) {
-    const int p = ceil_log2(size_ilp) / 4 > 4 ? ceil_log2(size_ilp) / 4 : 4;
-    const int64_t step = int64_t(1) << p, mask = step - 1;
-    __m256 acc[4][4];
-    for (int j = 0; j < 4; ++j)
-      for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_ps();
-    int64_t i = 0;
-    while (i + step <= size_ilp) {
-      for (int64_t j = 0; j < step; ++j, ++i)
-        for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], v[i * 4 + k]);
-      for (int j = 1; j < 4; ++j) {
-        for (int k = 0; k < 4; ++k) {
-          acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
-          acc[j - 1][k] = _mm256_setzero_ps();
-        }
-        if (i & (mask << (j * p))) break;
-      }
-    }
-    for (; i < size_ilp; ++i)
-      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], v[i * 4 + k]);
-    for (int j = 1; j < 4; ++j)
-      for (int k = 0; k < 4; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
-    for (int k = 0; k < 4; ++k) ps[k] = acc[0][k];
-  }
-  for (int64_t c = size_ilp * 4; c < n; ++c) ps[0] = _mm256_add_ps(ps[0], v[c]);
-  for (int k = 1; k < 4; ++k) ps[0] = _mm256_add_ps(ps[0], ps[k]);
-  return ps[0];
+  return row_sum8_of([v](int64_t c) { return v[c]; }, n);
 }
 
 }  // namespace
