@@ -57,6 +57,32 @@ def test_row_linear_gives_each_row_its_alone_bits(dtype: torch.dtype, n: int, k:
     assert (alone.double() - exact).abs().max() <= (8e-3 if dtype == torch.bfloat16 else 4e-6) * exact.abs().max()
 
 
+def test_a_parameters_cached_pack_follows_its_updates() -> None:
+    """`row_linear` keeps a parameter's packed copy on the parameter; an in-place update, a replaced
+    ``.data`` and a dtype change each give the new weight's product (compared with F.linear on
+    FP8-valued fp32 inputs, where every order gives the same exact sum). Mutations caught: the
+    parameter's own pack returned without checking its key (fails at "inplace"), and the pack key
+    without the address (a replaced ``.data`` restarts the version counter at 0 and got the first
+    weight's pack: fails at "data"; the code had that bug until this test)."""
+    from kvshare import kernels
+
+    if not kernels.available():
+        pytest.skip("native kernels not built here")
+    g = torch.Generator().manual_seed(0)
+    exact = lambda *shape: torch.randint(-8, 9, shape, generator=g).float() / 8  # noqa: E731
+    w = torch.nn.Parameter(exact(24, 40), requires_grad=False)
+    x = exact(3, 40)
+    for change in (None, "inplace", "data", "dtype"):
+        if change == "inplace":
+            w.mul_(-2)
+        elif change == "data":
+            w.data = exact(24, 40)
+        elif change == "dtype":
+            w.data = w.data.to(torch.bfloat16)
+            x = x.to(torch.bfloat16)
+        assert torch.equal(invariant.row_linear(x, w), F.linear(x, w)), change
+
+
 def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_forward() -> None:
     """oneDNN's bf16 product is not row-invariant at K = 4096 (rows of a 128-row call differ
     from that row alone on an AMX Xeon); inside a batch-invariant forward `Linear` is."""

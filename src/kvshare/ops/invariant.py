@@ -79,6 +79,10 @@ def native_pack(w: torch.Tensor):
     """The kernels' packed copy of weight `w` (made once per weight version for parameters and
     their views; per call for other tensors), or None where the kernels do not serve it (no native
     library, a dtype other than bf16 / fp32, not on the CPU)."""
+    own = w.__dict__.get("_kvshare_own") if isinstance(w, torch.nn.Parameter) else None
+    if own is not None:  # a parameter's own pack: three reads instead of the general key below
+        if own[0] == (w.data_ptr(), w.dtype, version_of(w)):
+            return own[1]
     if not kernels.available() or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
         return None
     root = w._base if w._base is not None else w
@@ -89,12 +93,16 @@ def native_pack(w: torch.Tensor):
     # kept on the parameter object itself, so a pack dies with its weight (an address-keyed cache
     # could hand a later model's weight at a reused address the earlier model's pack)
     packs = root.__dict__.setdefault("_kvshare_packs", {})
-    key = (w.data_ptr() - root.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
+    # the address too: a replaced ``.data`` starts a new version counter at 0, so (offset, version)
+    # alone would hand back the first weight's pack
+    key = (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), version_of(w))
     p = packs.get(key)
     if p is None:
         if len(packs) >= _MAX_PACKS_PER_WEIGHT:
             packs.clear()
         p = packs[key] = kernels.pack(w.detach().contiguous())
+    if root is w:
+        w.__dict__["_kvshare_own"] = ((w.data_ptr(), w.dtype, key[-1]), p)
     return p
 
 
