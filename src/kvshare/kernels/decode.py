@@ -30,6 +30,9 @@ replace stays the reference and the fallback:
   sum of its k routed slots plus the shared expert, the same bits as `model/moe.py` (SLEEF exp in
   silu = g / (1 + exp(-g)), every rounding to the model dtype where torch rounds, torch's cascade
   order over the k slots).
+* `fake_quant_fp8`: the FP8 e4m3 quantise-dequantise of GEMM inputs (ue8m0 block scales), the same
+  bits as `kvshare.quant.fake_quant_fp8` (c10's e4m3 and bf16 conversions, frexp for the scale), in
+  one call instead of ~40 torch ops; used by `model/quantize.act_quant` in every mode.
 * `mhc_collapse`, `mhc_expand`: the same bits as `hc_collapse` / `hc_expand` (collapse: products
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
@@ -143,6 +146,14 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     v2 = None if valid2 is None else valid2.contiguous()
     return _lib().sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
                                    sink.float().contiguous(), scale)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    """`kvshare.quant.fake_quant_fp8(x, block, ue8m0=True)`'s bits in one call, or None where the
+    kernels do not take x (off, not CPU, not bf16 / fp32, autograd, last dim not a multiple of block)."""
+    if not serves(x) or x.shape[-1] % block:
+        return None
+    return _lib().fake_quant_fp8(x, block)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> torch.Tensor:
