@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "decode.cpp")
-_HEADERS = ("gemm.h", "gemm_body.h", "decode.h")
+_HEADERS = ("gemm.h", "gemm_body.h", "decode.h", "weights512.h")
 
 
 def cache_root() -> Path:

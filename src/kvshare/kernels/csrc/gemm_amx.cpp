@@ -15,6 +15,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include "gemm.h"
+#include "weights512.h"
 
 namespace kvshare_kernels {
 namespace {
@@ -23,28 +24,8 @@ typedef __m512i WP;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// e4m3 -> bf16 pairs and e2m1 -> bf16 pairs: the same decoders as gemm_avx512.cpp.
-static inline WP wp_fp8(const uint8_t* p) {
-  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
-  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  alignas(64) static const uint16_t sub_table[32] = {
-      0, 118 << 7, 119 << 7, (119 << 7) | 0x40, 120 << 7, (120 << 7) | 0x20, (120 << 7) | 0x40, (120 << 7) | 0x60};
-  const __m512i sub = _mm512_permutexvar_epi16(mag, _mm512_load_si512(sub_table));
-  const __mmask32 is_normal = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(8));
-  const __m512i v = _mm512_mask_blend_epi16(is_normal, sub, normal);
-  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
-}
-
-static inline WP wp_fp4(const uint8_t* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i idx = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)),
-                                      _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xf0)), 12));
-  alignas(64) static const uint16_t table[32] = {
-      0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-      0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
-  return _mm512_permutexvar_epi16(idx, _mm512_load_si512(table));
-}
+using kvshare_w512::wp_fp8;  // e4m3 -> bf16 pairs, e2m1 -> bf16 pairs (weights512.h)
+using kvshare_w512::wp_fp4;
 
 // bf16 pairs times a per-lane fp32 power of two, back to bf16 (exact for normal results).
 static inline WP scale_pairs(WP w, __m512 s) {
@@ -52,12 +33,6 @@ static inline WP scale_pairs(WP w, __m512 s) {
   const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))), s);
   return _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(odd), _mm512_set1_epi32(static_cast<int>(0xffff0000u))),
                          _mm512_srli_epi32(_mm512_castps_si512(even), 16));
-}
-
-static inline __m512 exp2_lanes(const uint8_t* e) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
-  const __mmask16 zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(b, 23), _mm512_set1_epi32(0x00400000)));
 }
 
 static inline __m512 exp2_one(uint8_t e) {
@@ -103,7 +78,7 @@ static void decode_group(const GemmArgs& a, int64_t nb, WP* dst) {
   const int64_t step = a.fmt == FMT_FP8 ? 32 : 16;
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const int64_t e = nb * blocks + kb;
-    const __m512 s = a.group_exps ? exp2_one(a.exps[e]) : exp2_lanes(a.exps + e * 16);
+    const __m512 s = a.group_exps ? exp2_one(a.exps[e]) : kvshare_w512::vexp2(a.exps + e * 16);
     const int64_t p_end = min64(P, (kb + 1) * pairs_per_block);
     for (int64_t p = kb * pairs_per_block; p < p_end; ++p) {
       if ((p & 3) == 0 && p + 128 < P) __builtin_prefetch(src + (p + 128) * step, 0, 3);
