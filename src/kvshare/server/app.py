@@ -33,8 +33,8 @@ from kvshare.server.errors import APIError, internal_error
 from kvshare.server.generation import Job, ServerState, admit, generate
 from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
 from kvshare.server.openapi import install_openapi
-from kvshare.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                     ModelList, TokenizeRequest)
+from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvshare.server.replies import ModelCard, ModelList
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
 from kvshare.server.tool_calls import tool_grammar

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from kvshare.server.protocol import ErrorInfo, ErrorResponse
+from kvshare.server.replies import ErrorInfo, ErrorResponse
 
 # status -> OpenAI error `type`
 _TYPES = {

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from kvshare.server.protocol import ErrorResponse
+from kvshare.server.replies import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 

@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvshare.server.protocol import Usage, now
+from kvshare.server.protocol import now
+from kvshare.server.replies import Usage
 from kvshare.server.reasoning import ReasoningSplitter, split_reasoning
 from kvshare.server.tool_calls import ToolCallStream, parse_tool_calls
 
