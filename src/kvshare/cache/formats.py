@@ -119,6 +119,10 @@ def _exact_fp4_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return codes.reshape(x.shape), scale
 
 
+#: the row schemes stored as plain floats, and their dtype
+_PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
 @dataclass(frozen=True)
 class RowFormat:
     """One stored row: ``row_bytes == data_bytes + scale_bytes + pad_bytes``.
@@ -217,7 +221,7 @@ class RowFormat:
         Plain rows (bf16 / fp32 / fp64) convert straight to `dtype` (one copy: a bf16 row read as
         bf16 is not widened to fp32 and rounded back, which gives the same values); quantised rows
         are decoded in fp32, then rounded to `dtype`."""
-        plain = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}.get(self.scheme)
+        plain = _PLAIN_DTYPES.get(self.scheme)
         if dtype is not None and plain is not None and self.row_bytes:
             self._check(u8)
             return u8.contiguous().view(plain).to(dtype, copy=True)
