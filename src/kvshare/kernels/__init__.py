@@ -31,7 +31,7 @@ from kvshare.kernels.build import best_isa, library, supported_isas
 from kvshare.kernels.packed import (FORMAT_ID, Packed, dequantize, pack_bf16, pack_fp4, pack_fp8, pack_fp32,
                                     scale_exponents)
 
-__all__ = ["Packed", "available", "dequantize", "isa", "linear", "pack", "pack_bf16", "pack_fp32", "pack_fp4",
+__all__ = ["Packed", "available", "dequantize", "isa", "linear", "linear_checked", "pack", "pack_bf16", "pack_fp32", "pack_fp4",
            "pack_fp8", "scale_exponents", "supported_isas"]
 
 
@@ -48,6 +48,16 @@ def isa() -> str:
 def pack(w: torch.Tensor) -> Packed:
     """`pack_fp32` for an fp32 (or wider) weight, `pack_bf16` otherwise."""
     return pack_fp32(w) if w.dtype in (torch.float32, torch.float64) else pack_bf16(w)
+
+
+def linear_checked(x: torch.Tensor, p: Packed) -> torch.Tensor:
+    """`linear(x, p)` for a caller that has checked ``x.dtype == p.act_dtype``: one native call for a
+    2-D x on the default path (the binding checks x's shape against the weight's)."""
+    if x.dim() == 2 and best_isa() != "torch":
+        lib = library()
+        if lib is not None:
+            return lib.gemm(x, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, best_isa(), False)
+    return linear(x, p)
 
 
 def linear(x: torch.Tensor, p: Packed, isa: str | None = None, fp32_totals: bool = False) -> torch.Tensor:

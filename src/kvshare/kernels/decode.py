@@ -46,12 +46,17 @@ the torch attention (`attention_enabled()`), so a forward has exactly the torch 
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from kvshare.kernels.build import best_isa, library
 
 _SWITCH: dict[str, bool | None] = {"on": None, "attention": None}
+_FLOATS = (torch.float32, torch.bfloat16)
+_scope = threading.local()  # per thread: tensor-parallel tests run ranks as threads
 
 
 def set_enabled(on: bool | None, attention: bool | None = None) -> None:
@@ -64,6 +69,9 @@ def set_enabled(on: bool | None, attention: bool | None = None) -> None:
 def attention_enabled() -> bool:
     """Whether `sparse_attention` serves the model: `enabled()` and not switched off by
     ``KVSHARE_NATIVE_ATTENTION=off`` or ``set_enabled(..., attention=False)``."""
+    held = getattr(_scope, "attention", None)
+    if held is not None:
+        return held
     forced = _SWITCH["attention"]
     if forced is False:
         return False
@@ -82,12 +90,41 @@ def enabled() -> bool:
     return best_isa() != "torch"
 
 
+@contextmanager
+def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Decide once, for a whole model forward, what `serves` and `attention_enabled` answer.
+
+    Invariant the callers keep: inside a forward of a model whose activations are `dtype` on
+    `device`, every tensor handed to `serves` is such an activation or its fp32 widening (`wide`),
+    so the per-tensor checks would give the forward's answer every time; the scope answers from
+    the model's dtype and device instead (a decode step asks ~150 times). With autograd recording
+    the scope decides nothing (tensors may then require grad one by one). Nested scopes restore
+    the outer answer on exit.
+    """
+    prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None))
+    if torch.is_grad_enabled():
+        _scope.serves = _scope.attention = None
+    else:
+        _scope.serves = None  # so that attention_enabled() below asks enabled(), not the scope
+        _scope.attention = None
+        on = enabled() and device.type == "cpu" and dtype in _FLOATS
+        _scope.serves, _scope.attention = on, on and attention_enabled()
+    try:
+        yield
+    finally:
+        _scope.serves, _scope.attention = prev
+
+
 def serves(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels are on and take these tensors (CPU, bf16 / fp32, no autograd)."""
+    """Whether the kernels are on and take these tensors (CPU, bf16 / fp32, no autograd); inside a
+    `forward_scope`, the scope's answer."""
+    held = getattr(_scope, "serves", None)
+    if held is not None:
+        return held
     if not enabled():
         return False
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+        if t.device.type != "cpu" or t.dtype not in _FLOATS:
             return False
         if t.requires_grad and torch.is_grad_enabled():
             return False
@@ -127,8 +164,8 @@ def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 
 def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> torch.Tensor:
     """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
-    fp32 (`RotaryEmbedding.pair_tables`); overwrites x when `inplace`."""
-    return _lib().rope(x, c.contiguous(), s.contiguous(), inplace)
+    fp32, contiguous (`RotaryEmbedding.pair_tables` builds them so); overwrites x when `inplace`."""
+    return _lib().rope(x, c, s, inplace)
 
 
 def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvshare.config import ModelConfig
+from kvshare.kernels import decode as native
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
@@ -154,7 +155,8 @@ class Transformer(nn.Module):
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
         """
-        with invariant.active(self.batch_invariant):
+        w = self.embed.weight
+        with invariant.active(self.batch_invariant), native.forward_scope(w.dtype, w.device):
             return self._forward(input_ids, batch, cache, state)
 
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,

@@ -30,6 +30,7 @@ from kvshare.kernels import decode as native
 from kvshare.ops import invariant
 from kvshare.precision import version_of
 
+_CPU32 = (torch.device("cpu"), torch.float32)
 TABLES_KEPT = 4  # a step rotates at its token positions and at each layer's new entry positions
 
 
@@ -77,6 +78,12 @@ class RotaryEmbedding(nn.Module):
             f = self._freqs[key] = self.freqs64.to(device=x.device, dtype=dt)
         return f
 
+    def _freqs_cpu32(self) -> torch.Tensor:
+        f = self._freqs.get(_CPU32)
+        if f is None:
+            f = self._freqs[_CPU32] = self.freqs64.to(dtype=torch.float32)
+        return f
+
     def pair_tables(self, positions: torch.Tensor, freqs: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(C, S, -S) [*positions.shape, rope_dim] in `freqs`' dtype (see the module doc)."""
@@ -104,13 +111,15 @@ class RotaryEmbedding(nn.Module):
         x's tail is overwritten (x is returned); ignored when autograd records x.
         """
         rd = self.rope_dim
+        if invariant.is_on() and native.serves(x) and positions.dim() == 1 and x.is_contiguous():
+            # the same bits in one call (kernels/decode.py); `serves` means x is bf16 / fp32 on the
+            # CPU, so the working dtype is fp32 and the [P, rd] tables are the kernel's layout as built
+            c, s, s_neg = self.pair_tables(positions, self._freqs_cpu32())
+            return native.rope(x, c, s_neg if inverse else s, inplace)
         freqs = self._freqs_for(x)
         c, s, s_neg = self.pair_tables(positions, freqs)
         shape = (*positions.shape, *([1] * (x.dim() - 1 - positions.dim())), rd)
         c, s = c.view(shape), (s_neg if inverse else s).view(shape)
-        if (invariant.is_on() and freqs.dtype == torch.float32 and positions.dim() == 1 and x.is_contiguous()
-                and native.serves(x)):  # the same bits in one call (kernels/decode.py)
-            return native.rope(x, c.view(-1, rd), s.view(-1, rd), inplace)
         tail = x[..., -rd:]
         t = tail.to(freqs.dtype)
         if torch.is_grad_enabled() and x.requires_grad:  # out= records no autograd graph

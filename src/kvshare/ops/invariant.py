@@ -80,8 +80,14 @@ def native_pack(w: torch.Tensor):
     their views; per call for other tensors), or None where the kernels do not serve it (no native
     library, a dtype other than bf16 / fp32, not on the CPU)."""
     own = w.__dict__.get("_kvshare_own") if isinstance(w, torch.nn.Parameter) else None
-    if own is not None:  # a parameter's own pack: three reads instead of the general key below
-        if own[0] == (w.data_ptr(), w.dtype, version_of(w)):
+    if own is not None:  # a parameter's own pack: two reads instead of the general key below
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor has no version counter (`version_of`)
+            version = -1
+        # (address, version) names the data: a replaced ``.data`` is a new storage, allocated
+        # while the old one is alive, so at another address (and its dtype goes with it)
+        if own[0] == (w.data_ptr(), version):
             return own[1]
     if not kernels.available() or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu":
         return None
@@ -102,16 +108,18 @@ def native_pack(w: torch.Tensor):
             packs.clear()
         p = packs[key] = kernels.pack(w.detach().contiguous())
     if root is w:
-        w.__dict__["_kvshare_own"] = ((w.data_ptr(), w.dtype, key[-1]), p)
+        w.__dict__["_kvshare_own"] = ((key[0], key[-1]), p)
     return p
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` ([..., K] x [N, K] -> [..., N]) with each row's bits independent of the other rows."""
+    packed = native_pack(w)
+    if packed is not None and x.dtype == packed.act_dtype:  # (a pack's act_dtype is its weight's dtype)
+        return kernels.linear_checked(x, packed)
     flat = x.dim() == 2  # the common case: no reshapes (each a torch call)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
-    packed = native_pack(w) if x2.dtype == w.dtype else None
-    out = kernels.linear(x2, packed) if packed is not None else fallback.rows(x2, w)
+    out = fallback.rows(x2, w)
     return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
 
 
