@@ -39,6 +39,7 @@ import torch
 
 from kvshare import quant
 from kvshare.errors import ConfigError
+from kvshare.kernels import rows as native_rows
 
 Kind = Literal["kv", "index_k", "window"]
 KINDS: tuple[str, ...] = ("kv", "index_k", "window")
@@ -121,6 +122,8 @@ def _exact_fp4_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
 
 #: the row schemes stored as plain floats, and their dtype
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+#: unpack dtypes the native codecs write (`kernels/rows.py`); float64 reads decode in torch
+_NATIVE_OUT = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,10 @@ class RowFormat:
         ue8m0 scales (host reads; tests), which the quantisers make valid by construction."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"{self.kind} row format {self.label} expects last dim {self.dim}, got {x.shape[-1]}")
-        lead = x.shape[:-1]
         s = self.scheme
+        if s in native_rows.SCHEMES and self.row_bytes and native_rows.serves(x):  # the same bytes in one call
+            return native_rows.pack(s, x, self.block, self.rope_dim, self.row_bytes)
+        lead = x.shape[:-1]
         if self.row_bytes == 0:
             return torch.zeros(*lead, 0, dtype=torch.uint8, device=x.device)
         if s == "fp32":
@@ -222,6 +227,10 @@ class RowFormat:
         bf16 is not widened to fp32 and rounded back, which gives the same values); quantised rows
         are decoded in fp32, then rounded to `dtype`."""
         plain = _PLAIN_DTYPES.get(self.scheme)
+        if (dtype in _NATIVE_OUT and self.scheme in native_rows.SCHEMES and self.row_bytes
+                and native_rows.serves(u8)):  # the same bits in one call
+            self._check(u8)
+            return native_rows.unpack(self.scheme, u8, self.block, self.dim, self.rope_dim, dtype)
         if dtype is not None and plain is not None and self.row_bytes:
             self._check(u8)
             return u8.contiguous().view(plain).to(dtype, copy=True)

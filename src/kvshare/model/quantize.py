@@ -28,7 +28,8 @@ import torch
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.ops.invariant import matmul_t
-from kvshare.quant import fake_quant_fp4, fake_quant_fp8, straight_through
+from kvshare.kernels import rows as native_rows
+from kvshare.quant import ScaleFmt, fake_quant_fp4, fake_quant_fp8, straight_through
 
 
 @dataclass
@@ -64,11 +65,22 @@ def fit_block(width: int, block: int) -> int:
 
 def act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
     """FP8 e4m3 (ue8m0 scales) rounding of a GEMM input along its last dim."""
-    b = fit_block(x.shape[-1], block)
-    fused = native.fake_quant_fp8(x, b)  # the same bits in one call (None: not served here)
+    return _fp8(x, fit_block(x.shape[-1], block))
+
+
+def _fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`fake_quant_fp8(x, block, ue8m0=True)` (identity gradient), in one native call where served."""
+    fused = native.fake_quant_fp8(x, block)  # the same bits (None: not served here)
     if fused is not None:
         return fused
-    return straight_through(lambda t: fake_quant_fp8(t, b, ue8m0=True), x)
+    return straight_through(lambda t: fake_quant_fp8(t, block, ue8m0=True), x)
+
+
+def _fp4(x: torch.Tensor, block: int, scale_fmt: ScaleFmt) -> torch.Tensor:
+    """`fake_quant_fp4(x, block, scale_fmt)` (identity gradient), in one native call where served."""
+    if native_rows.serves(x) and x.dtype != torch.uint8:  # the same bits (kernels/rows.py)
+        return native_rows.fake_quant_fp4(x, block, scale_fmt)
+    return straight_through(lambda t: fake_quant_fp4(t, block, scale_fmt), x)
 
 
 def hadamard_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
@@ -101,7 +113,7 @@ class KVQuantizer:
         rd = self.cfg.qk_rope_head_dim
         if self._win_block == 0:
             return x
-        nope = fake_quant_fp8(x[..., :-rd], self._win_block, ue8m0=True)
+        nope = _fp8(x[..., :-rd], self._win_block)
         rope = x[..., -rd:].to(torch.bfloat16).to(x.dtype)
         return torch.cat([nope, rope], dim=-1)
 
@@ -110,7 +122,7 @@ class KVQuantizer:
         if not self.mode.cache:
             return kv
         if self.cfg.arch == "v41":
-            return straight_through(lambda t: fake_quant_fp8(t, self._win_block, ue8m0=True), kv)
+            return _fp8(kv, self._win_block)
         return straight_through(self._v4_nope_fp8, kv)
 
     def compressed(self, kv: torch.Tensor) -> torch.Tensor:
@@ -118,7 +130,7 @@ class KVQuantizer:
         if not self.mode.cache:
             return kv
         if self.cfg.arch == "v41":
-            return straight_through(lambda t: fake_quant_fp4(t, self._comp_block, "e4m3"), kv)
+            return _fp4(kv, self._comp_block, "e4m3")
         return straight_through(self._v4_nope_fp8, kv)
 
     def index(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,4 +142,4 @@ class KVQuantizer:
             if self._hadamard is None or self._hadamard.device != x.device:
                 self._hadamard = hadamard_matrix(n, x.device)
             x = matmul_t(x.float(), self._hadamard.t()).to(x.dtype)
-        return straight_through(lambda t: fake_quant_fp4(t, self._idx_block, "ue8m0"), x)
+        return _fp4(x, self._idx_block, "ue8m0")

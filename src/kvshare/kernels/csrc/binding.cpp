@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include "gemm.h"
 #include "decode.h"
+#include "rows.h"
 
 namespace kk = kvshare_kernels;
 
@@ -360,5 +361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("swiglu", &swiglu, "MoE SwiGLU with the routing weight (decode.h)");
   mod.def("moe_combine", &moe_combine, "MoE combine of routed slots and the shared expert (decode.h)");
   mod.def("moe_route", &moe_route, "MoE gate scores and stable top-k (decode.h)");
+  mod.def("fake_quant_fp4", &kk::fake_quant_fp4, "FP4 e2m1 quantise-dequantise (quant.fake_quant_fp4's bits, rows.cpp)");
+  mod.def("pack_rows", &kk::pack_rows, "cache row pack of the fp4 / fp8 schemes (cache/formats.py's bytes, rows.cpp)");
+  mod.def("unpack_rows", &kk::unpack_rows, "cache row unpack of the fp4 / fp8 schemes (rows.cpp)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
 }

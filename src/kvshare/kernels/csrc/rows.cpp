@@ -1,0 +1,237 @@
+// Cache row codecs (kvshare/cache/formats.py) and the FP4 quantise-dequantise (kvshare/quant.py), one
+// call per tensor instead of ~20-60 torch ops. Scalar loops over c10's float8 e4m3 / bfloat16
+// conversions and <cmath>'s frexp / ldexp: the same bits as the torch code for finite inputs (NaN
+// blocks are not specified). Every block and row is computed from its own values alone.
+#include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include "rows.h"
+
+namespace {
+
+constexpr float kGrid[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+constexpr float kMids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+constexpr float kExactQ[7] = {6.0f, 4.0f, 3.0f, 2.0f, 1.5f, 1.0f, 0.5f};  // formats._EXACT_Q's order
+
+// quant.pow2_ceil: 2^ceil(log2 x) from the exponent bits (frexp), exact for subnormals.
+inline float pow2_ceil(float x) {
+  int e = 0;
+  const float m = std::frexp(x, &e);
+  return m == 0.5f ? x : std::ldexp(1.0f, e);
+}
+
+inline float e4m3_round(float x) {  // quant.e4m3_round: clamp to +-448, c10's e4m3 conversion
+  return static_cast<float>(c10::Float8_e4m3fn(std::min(std::max(x, -448.0f), 448.0f)));
+}
+
+inline float e4m3_value(uint8_t b) { return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())); }
+
+inline float ue8m0_value(uint8_t b) { return std::ldexp(1.0f, static_cast<int>(b) - 127); }  // 2^(b - 127)
+
+inline uint8_t ue8m0_byte(float scale) {  // formats._ue8m0_bytes: frexp exponent + 126, wrapped to a byte
+  int e = 0;
+  std::frexp(scale, &e);
+  return static_cast<uint8_t>(e + 126);
+}
+
+inline float amax_of(const float* a, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(a[i]));
+  return m;
+}
+
+// quant.fp4_codes for one block of n values: codes (sign bit 3, grid index bits 0-2) and the scale.
+float fp4_codes(const float* a, int64_t n, bool ue8m0, uint8_t* codes) {
+  const float amax = amax_of(a, n);
+  const float scale = ue8m0 ? pow2_ceil(std::max(amax, 6.0f * 0x1p-126f) / 6.0f)
+                            : e4m3_round(std::max(amax, 6.0f * 0x1p-9f) / 6.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(a[i] / scale, -6.0f), 6.0f);
+    const float mag = std::fabs(v);
+    int idx = 0;
+    while (idx < 7 && kMids[idx] < mag) ++idx;  // torch.bucketize: midpoints strictly below
+    if (mag == 0.75f || mag == 1.75f || mag == 3.5f) ++idx;  // ties to the even code
+    codes[i] = static_cast<uint8_t>(idx | ((v < 0.0f && idx > 0) ? 8 : 0));
+  }
+  return scale;
+}
+
+inline float fp4_value(uint8_t c, float scale) {
+  const float mag = kGrid[c & 7];
+  return ((c & 8) ? -mag : mag) * scale;
+}
+
+// formats._exact_fp4_e4m3 for one block: the quantiser's codes, replaced by the first exact
+// encoding (scale amax / q, q in kExactQ order, an e4m3 value) when re-quantising changes the block.
+float exact_fp4_e4m3(const float* a, int64_t n, uint8_t* codes, uint8_t* tmp) {
+  float scale = fp4_codes(a, n, false, codes);
+  bool bad = false;
+  for (int64_t i = 0; i < n && !bad; ++i) bad = fp4_value(codes[i], scale) != a[i];
+  if (!bad) return scale;
+  const float amax = amax_of(a, n);
+  for (float q : kExactQ) {
+    const float s = amax / q;
+    if (!(s > 0.0f) || e4m3_round(s) != s) continue;
+    const float div = std::max(s, FLT_MIN);
+    bool ok = true;
+    for (int64_t i = 0; i < n && ok; ++i) {
+      const float v = a[i] / div;
+      const float mag = std::fabs(v);
+      int idx = 0;
+      while (idx < 7 && kGrid[idx] < mag) ++idx;  // torch.searchsorted (left), clamped to the last
+      ok = kGrid[idx] == mag;
+      tmp[i] = static_cast<uint8_t>(idx | ((v < 0.0f && idx > 0) ? 8 : 0));
+    }
+    if (ok) {
+      memcpy(codes, tmp, static_cast<size_t>(n));
+      return s;
+    }
+  }
+  return scale;
+}
+
+// quant.fp8_codes (ue8m0) for one block: e4m3 bytes and the power-of-two scale.
+float fp8_codes(const float* a, int64_t n, uint8_t* q) {
+  const float scale = pow2_ceil(std::max(amax_of(a, n), 1e-4f) / 448.0f);
+  for (int64_t i = 0; i < n; ++i) q[i] = c10::Float8_e4m3fn(std::min(std::max(a[i] / scale, -448.0f), 448.0f)).x;
+  return scale;
+}
+
+void load_row(const torch::Tensor& x, int64_t r, int64_t d, float* out) {
+  if (x.scalar_type() == torch::kBFloat16) {
+    const auto* p = reinterpret_cast<const c10::BFloat16*>(x.data_ptr()) + r * d;
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(p[i]);
+  } else {
+    memcpy(out, x.data_ptr<float>() + r * d, sizeof(float) * static_cast<size_t>(d));
+  }
+}
+
+void store_row(torch::Tensor& y, int64_t r, int64_t d, const float* v) {
+  if (y.scalar_type() == torch::kBFloat16) {
+    auto* p = reinterpret_cast<c10::BFloat16*>(y.data_ptr()) + r * d;
+    for (int64_t i = 0; i < d; ++i) p[i] = c10::BFloat16(v[i]);
+  } else {
+    memcpy(y.data_ptr<float>() + r * d, v, sizeof(float) * static_cast<size_t>(d));
+  }
+}
+
+void check_floats(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              what, ": x must be a bf16 / fp32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+}
+
+}  // namespace
+
+namespace kvshare_kernels {
+
+torch::Tensor fake_quant_fp4(torch::Tensor x, int64_t block, bool ue8m0) {
+  check_floats(x, "kernels.fake_quant_fp4");
+  TORCH_CHECK(block > 0 && x.dim() >= 1 && x.size(-1) % block == 0, "kernels.fake_quant_fp4: last dim ",
+              x.dim() ? x.size(-1) : 0, " is not a multiple of the block ", block);
+  auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t d = xc.dim() ? xc.size(-1) : 1, rows = d ? xc.numel() / d : 0;
+  std::vector<float> v(static_cast<size_t>(d));
+  std::vector<uint8_t> c(static_cast<size_t>(block));
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(xc, r, d, v.data());
+    for (int64_t b = 0; b < d; b += block) {
+      const float s = fp4_codes(v.data() + b, block, ue8m0, c.data());
+      for (int64_t i = 0; i < block; ++i) v[b + i] = fp4_value(c[i], s);
+    }
+    store_row(out, r, d, v.data());
+  }
+  return out;
+}
+
+torch::Tensor pack_rows(torch::Tensor x, int64_t scheme, int64_t block, int64_t rope_dim, int64_t row_bytes) {
+  check_floats(x, "kernels.pack_rows");
+  TORCH_CHECK(scheme >= ROW_FP4_E4M3 && scheme <= ROW_FP8_V4, "kernels.pack_rows: unknown scheme ", scheme);
+  TORCH_CHECK(x.dim() >= 1, "kernels.pack_rows: x must have a row dim");
+  const int64_t d = x.size(-1), n = scheme == ROW_FP8_V4 ? d - rope_dim : d;
+  TORCH_CHECK(block > 0 && n > 0 && n % block == 0 && rope_dim >= 0 && (scheme == ROW_FP8_V4 || rope_dim == 0),
+              "kernels.pack_rows: ", n, " quantised values do not fit blocks of ", block);
+  const bool fp4 = scheme == ROW_FP4_E4M3 || scheme == ROW_FP4_UE8M0;
+  TORCH_CHECK(!fp4 || block % 2 == 0, "kernels.pack_rows: fp4 blocks must be even, got ", block);
+  const int64_t data = fp4 ? n / 2 : n + 2 * rope_dim, scales = n / block;
+  TORCH_CHECK(row_bytes >= data + scales, "kernels.pack_rows: ", row_bytes, " bytes cannot hold ", data + scales);
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = row_bytes;
+  auto out = torch::zeros(sizes, xc.options().dtype(torch::kUInt8));
+  const int64_t rows = xc.numel() / d;
+  std::vector<float> v(static_cast<size_t>(d));
+  std::vector<uint8_t> c(static_cast<size_t>(block)), tmp(static_cast<size_t>(block));
+  auto* o = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(xc, r, d, v.data());
+    uint8_t* row = o + r * row_bytes;
+    for (int64_t b = 0; b < n; b += block) {
+      float s;
+      uint8_t sb;
+      if (fp4) {
+        s = scheme == ROW_FP4_E4M3 ? exact_fp4_e4m3(v.data() + b, block, c.data(), tmp.data())
+                                   : fp4_codes(v.data() + b, block, true, c.data());
+        for (int64_t i = 0; i < block; i += 2) row[(b + i) / 2] = static_cast<uint8_t>(c[i] | (c[i + 1] << 4));
+        sb = scheme == ROW_FP4_E4M3 ? c10::Float8_e4m3fn(s).x : ue8m0_byte(s);
+      } else {
+        s = fp8_codes(v.data() + b, block, row + b);
+        sb = ue8m0_byte(s);
+      }
+      row[data + b / block] = sb;
+    }
+    if (scheme == ROW_FP8_V4)
+      for (int64_t i = 0; i < rope_dim; ++i) {
+        const uint16_t bits = c10::BFloat16(v[n + i]).x;
+        memcpy(row + n + 2 * i, &bits, 2);
+      }
+  }
+  return out;
+}
+
+torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64_t dim, int64_t rope_dim,
+                          torch::ScalarType out_dtype) {
+  TORCH_CHECK(u8.device().is_cpu() && u8.scalar_type() == torch::kUInt8 && u8.dim() >= 1,
+              "kernels.unpack_rows: rows must be a uint8 CPU tensor");
+  TORCH_CHECK(scheme >= ROW_FP4_E4M3 && scheme <= ROW_FP8_V4, "kernels.unpack_rows: unknown scheme ", scheme);
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.unpack_rows: out dtype must be bf16 or fp32");
+  const int64_t n = scheme == ROW_FP8_V4 ? dim - rope_dim : dim;
+  TORCH_CHECK(block > 0 && n > 0 && n % block == 0, "kernels.unpack_rows: ", n, " values do not fit blocks of ", block);
+  const bool fp4 = scheme == ROW_FP4_E4M3 || scheme == ROW_FP4_UE8M0;
+  const int64_t data = fp4 ? n / 2 : n + 2 * rope_dim, rb = u8.size(-1);
+  TORCH_CHECK(rb >= data + n / block, "kernels.unpack_rows: rows of ", rb, " bytes are too short");
+  auto uc = u8.contiguous();
+  auto sizes = uc.sizes().vec();
+  sizes.back() = dim;
+  auto out = torch::empty(sizes, uc.options().dtype(out_dtype));
+  const int64_t rows = rb ? uc.numel() / rb : 0;
+  std::vector<float> v(static_cast<size_t>(dim));
+  const auto* in = uc.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = in + r * rb;
+    for (int64_t b = 0; b < n; b += block) {
+      const uint8_t sb = row[data + b / block];
+      const float s = scheme == ROW_FP4_E4M3 ? e4m3_value(sb) : ue8m0_value(sb);
+      if (fp4) {
+        for (int64_t i = 0; i < block; i += 2) {
+          const uint8_t byte = row[(b + i) / 2];
+          v[b + i] = fp4_value(byte & 0xF, s);
+          v[b + i + 1] = fp4_value(byte >> 4, s);
+        }
+      } else {
+        for (int64_t i = 0; i < block; ++i) v[b + i] = e4m3_value(row[b + i]) * s;
+      }
+    }
+    for (int64_t i = 0; i < rope_dim; ++i) {
+      uint16_t bits;
+      memcpy(&bits, row + n + 2 * i, 2);
+      v[n + i] = static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+    }
+    store_row(out, r, dim, v.data());
+  }
+  return out;
+}
+
+}  // namespace kvshare_kernels

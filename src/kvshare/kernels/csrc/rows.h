@@ -1,0 +1,18 @@
+// Cache row codecs and the FP4 quantise-dequantise (rows.cpp), declared for the binding.
+#pragma once
+#include <torch/extension.h>
+
+namespace kvshare_kernels {
+
+// RowFormat schemes served natively (cache/formats.py names them; plain and fp8_row rows stay torch).
+enum RowScheme : int { ROW_FP4_E4M3 = 0, ROW_FP4_UE8M0 = 1, ROW_FP8_V41 = 2, ROW_FP8_V4 = 3 };
+
+// quant.fake_quant_fp4(x, block, "ue8m0" if ue8m0 else "e4m3"): same dtype as x (bf16 / fp32).
+torch::Tensor fake_quant_fp4(torch::Tensor x, int64_t block, bool ue8m0);
+// RowFormat.pack: float rows [..., dim] -> uint8 [..., row_bytes] (data, scales, zero pad).
+torch::Tensor pack_rows(torch::Tensor x, int64_t scheme, int64_t block, int64_t rope_dim, int64_t row_bytes);
+// RowFormat.unpack: uint8 [..., row_bytes] -> [..., dim] in out_dtype (decoded in fp32, then rounded).
+torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64_t dim, int64_t rope_dim,
+                          torch::ScalarType out_dtype);
+
+}  // namespace kvshare_kernels
