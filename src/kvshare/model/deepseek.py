@@ -69,7 +69,7 @@ class Block(nn.Module):
         return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                          getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
-    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self._hc_weights(sub)
         return hc_mix(h, w.fn, w.base, w.scale, rms_eps=w.rms_eps, hc_eps=w.hc_eps, iters=w.iters, hw=hw)
 
@@ -90,11 +90,14 @@ class Block(nn.Module):
     def _forward_unchunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                            lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s sublayers with `model/mhc.py`'s whole-step functions (autograd-capable)."""
-        hw = wide(h)  # the fp32 streams, converted once per sublayer for the mix, collapse and expand
+        # the fp32 streams, converted once per sublayer for the mix, collapse and expand; the native
+        # kernels read the streams in their own dtype (the same values), so they need no copy
+        native_mhc = invariant.is_on() and native.serves(h)
+        hw = None if native_mhc else wide(h)
         pre, post, comb = self._mix("attn", h, hw)
         x = hc_collapse(h, pre_prev if lagged else pre, hw)
         h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb, hw)
-        pre_attn, hw = pre, wide(h)
+        pre_attn, hw = pre, None if native_mhc else wide(h)
         pre, post, comb = self._mix("ffn", h, hw)
         x = hc_collapse(h, pre_attn if lagged else pre, hw)
         h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)

@@ -42,7 +42,9 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `hw`: ``wide(h)`` when the caller already has it (one conversion per sublayer, same bits).
     """
     t, hc, _ = h.shape
-    m = matmul_t(rms_normalize((wide(h) if hw is None else hw).reshape(t, -1), rms_eps), wide(fn))
+    if hw is None:  # the native RMSNorm reads h in its own dtype (the same values as wide(h))
+        hw = h if _native(h) else wide(h)
+    m = matmul_t(rms_normalize(hw.reshape(t, -1), rms_eps), wide(fn))
     if invariant_on() and m.dtype == torch.float32 and _native(m, base, scale):  # one call: sigmoids, softmax, Sinkhorn
         return native.mhc_post(m, base, scale, hc, hc_eps, iters)
     post, comb = hc_post_comb(m, base, scale, hc, hc_eps, iters)
