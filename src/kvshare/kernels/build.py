@@ -28,8 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "decode.cpp", "rows.cpp")
-_HEADERS = ("gemm.h", "gemm_body.h", "decode.h", "weights512.h", "rows.h")
+SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "decode.cpp", "rows.cpp", "moe.cpp")
+_HEADERS = ("gemm.h", "gemm_body.h", "decode.h", "weights512.h", "rows.h", "moe.h")
 
 
 def cache_root() -> Path:

@@ -12,6 +12,11 @@ FP8 input quantisation sees the weighted activations; the shared expert has weig
 outputs are combined per token in a fixed order (k slots summed), so results do not depend on how
 tokens are grouped per expert.
 
+Inside a batch-invariant forward with the native kernels (and all experts local) everything after
+the gate is one native call (`kernels/moe.py`: grouping, GEMMs, SwiGLU, FP8 rounding, combine; no
+host read); the torch code below is the reference it matches bitwise, and runs for expert
+parallelism, the batched mode and where the kernels do not serve the weights.
+
 Checkpoint names: ``gate.weight``, ``gate.bias`` (non-hash), ``gate.tid2eid`` (V4 hash layers),
 ``experts.{E}.{w1,w2,w3}.weight``, ``shared_experts.{w1,w2,w3}.weight``.
 """
@@ -26,10 +31,11 @@ from torch import nn
 
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
+from kvshare.kernels import moe as native_moe
 from kvshare.model.linear import Linear, QLinear
-from kvshare.model.quantize import QuantMode, act_quant
+from kvshare.model.quantize import QuantMode, act_quant, fit_block
 from kvshare.ops import stable_topk
-from kvshare.ops.invariant import is_on as invariant_on, matmul_t, pointwise
+from kvshare.ops.invariant import is_on as invariant_on, matmul_t, native_pack, pointwise
 from kvshare.precision import wide
 
 
@@ -127,6 +133,10 @@ class MoE(nn.Module):
         """Routed + shared expert outputs for tokens x [T, D] (see the class doc for the layout)."""
         t, k = x.shape[0], self.gate.cfg.num_experts_per_tok
         weights, ids = self.gate(x, input_ids)
+        if self.reduce is None and _native(x) and weights.dtype == torch.float32:
+            y = self._native_experts(x, ids, weights)
+            if y is not None:
+                return y
         flat, flat_w = ids.flatten(), weights.flatten()
         order = torch.argsort(flat, stable=True)
         # the one host read of the layer (a fixed-shape count: bincount would also size its output
@@ -154,6 +164,41 @@ class MoE(nn.Module):
         if self.reduce is not None:  # may hand back a tensor its caller keeps: add out of place
             return (self.reduce(routed) + wide(out[n_sel:])).to(x.dtype)
         return routed.add_(wide(out[n_sel:])).to(x.dtype)
+
+    def _native_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """The experts and the combine in one native call (`kernels.moe`: the same bits as the torch
+        path below, no host read), or None where it does not serve this layer or these inputs."""
+        packs = self.__dict__.get("_native_packs")
+        for _ in range(2):  # a pack set found stale is rebuilt once
+            if not native_moe.fresh(packs):
+                packs = self.__dict__["_native_packs"] = self._pack_set()
+            if packs is None or x.dtype != packs.act_dtype:
+                return None
+            e0 = self.shared_experts
+            blk = e0.w1.block if e0.w1.mode.act else 0
+            xb, hb = (fit_block(x.shape[1], blk), fit_block(e0.w1.out_features, blk)) if blk else (0, 0)
+            y = native_moe.experts(x, ids, weights, packs, e0.limit, xb, hb)
+            if y is not None:
+                return y
+            packs = None
+        return None
+
+    def _pack_set(self) -> native_moe.LayerPacks | None:
+        """Every expert's w1 / w3 / w2 pack (routed experts, then the shared one), or None where the
+        layer is split over ranks or a linear has no native pack."""
+        if self.expert_offset != 0 or len(self.experts) != self.gate.cfg.n_routed_experts:
+            return None
+        linears = []
+        for e in [*self.experts, self.shared_experts]:
+            for lin in (e.w1, e.w3, e.w2):
+                if lin.qweight is not None:
+                    linears.append((lin.qweight, lin.qweight.data))
+                    continue
+                p = native_pack(lin.weight)
+                if p is None:
+                    return None
+                linears.append((p, lin.weight))
+        return native_moe.pack_set(linears)
 
 
 #: rows per expert group from which `_run_experts` runs each group's SwiGLU right after its GEMMs

@@ -347,6 +347,16 @@ static std::vector<torch::Tensor> moe_route(torch::Tensor logits, c10::optional<
   return {w, ids};
 }
 
+// ---- MoE experts in one call (moe.h): the FP8 rounding is this file's `fake_quant_fp8` ----
+#include "moe.h"
+
+static c10::optional<torch::Tensor> moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                                                std::vector<torch::Tensor> packs, torch::Tensor meta,
+                                                std::vector<torch::Tensor> watch, torch::Tensor stamps, double limit,
+                                                int64_t x_block, int64_t h_block, const std::string& isa) {
+  return kk::moe_experts(x, ids, weights, packs, meta, watch, stamps, limit, x_block, h_block, isa, &fake_quant_fp8);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -365,4 +375,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("pack_rows", &kk::pack_rows, "cache row pack of the fp4 / fp8 schemes (cache/formats.py's bytes, rows.cpp)");
   mod.def("unpack_rows", &kk::unpack_rows, "cache row unpack of the fp4 / fp8 schemes (rows.cpp)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
+  mod.def("moe_experts", &moe_experts, "a MoE layer's routed and shared experts and their combine in one call (moe.h)");
+  mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");
 }

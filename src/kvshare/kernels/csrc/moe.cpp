@@ -1,0 +1,226 @@
+// One MoE layer's experts in one call (see moe.h). The order of work is that of model/moe.py:
+// slots grouped per expert by a stable counting sort of the flat ids (= the stable argsort: a
+// group's rows in slot order), the routed groups in increasing expert id, then the shared expert
+// on every token; each group runs its GEMMs right after gathering its rows (its activations stay
+// in cache). No arithmetic of its own: the GEMMs are gemm_amx / gemm_avx512 / gemm_avx2, the
+// SwiGLU and combine decode.cpp's, the FP8 rounding binding.cpp's, so every bit matches the torch
+// path's per-expert calls, and each row's result depends on that row alone.
+#include "moe.h"
+#include <ATen/Parallel.h>
+#include <cstring>
+#include "decode.h"
+#include "gemm.h"
+
+namespace kvshare_kernels {
+namespace {
+
+// One packed weight of the layer (see gemm.h for the layouts).
+struct Lin {
+  int fmt;
+  int64_t n, k, kp, bk;
+  int group_exps;
+  const void* w;
+  const uint8_t* exps;
+};
+
+enum class Path { AMX, AVX512, AVX2 };
+
+// Bytes of a packed weight and entries of its exponents, as binding.cpp's `gemm` checks them.
+void check_lin(const Lin& l, const torch::Tensor& data, const torch::Tensor& exps, int64_t i) {
+  const bool f32 = l.fmt == FMT_FP32;
+  TORCH_CHECK(l.fmt >= 0 && l.fmt <= 3, "kernels.moe_experts: linear ", i, " has unknown format ", l.fmt);
+  TORCH_CHECK(data.is_contiguous() && exps.is_contiguous() && data.device().is_cpu() && exps.device().is_cpu(),
+              "kernels.moe_experts: packed weight ", i, " must be contiguous CPU tensors");
+  TORCH_CHECK(f32 || (l.kp % 2 == 0 && l.kp >= l.k && l.kp - l.k < 2), "kernels.moe_experts: linear ", i,
+              " has bad padded K ", l.kp);
+  TORCH_CHECK(l.fmt == FMT_BF16 || f32 || (l.bk >= 2 && l.bk <= 256 && l.bk % 2 == 0),
+              "kernels.moe_experts: linear ", i, " has bad scale block ", l.bk);
+  const int64_t groups = (l.n + 15) / 16;
+  const int64_t bytes = f32 ? groups * l.k * 64
+                            : groups * (l.kp / 2) * 16 * (l.fmt == FMT_FP8 ? 2 : 4) / (l.fmt == FMT_FP4 ? 4 : 1);
+  TORCH_CHECK(data.numel() * data.element_size() == bytes, "kernels.moe_experts: packed weight ", i, " has ",
+              data.numel() * data.element_size(), " bytes, expected ", bytes);
+  const int64_t n_exps = (l.fmt == FMT_BF16 || f32) ? 0 : groups * ((l.kp + l.bk - 1) / l.bk);
+  TORCH_CHECK(l.fmt == FMT_BF16 || f32 || exps.numel() == (l.group_exps ? n_exps : n_exps * 16),
+              "kernels.moe_experts: linear ", i, " has ", exps.numel(), " scale exponents");
+}
+
+// Whether the AMX tiles serve weight l (binding.cpp's rule: a property of the weight, never of M).
+bool uses_amx(const Lin& l, Path path) {
+  return path == Path::AMX && l.fmt != FMT_FP32 && l.kp % 32 == 0 && (l.fmt == FMT_BF16 || l.bk % 32 == 0);
+}
+
+// y [m][n] (x's dtype) = x W^T for x staged as `gemm` stages it (bf16: [rows][kp] zero-padded, rows a
+// multiple of 32 when AMX serves l; fp32: [m][k]); output groups split over threads as `gemm` does.
+void run_gemm(const Lin& l, const void* x, int64_t m, void* y, Path path) {
+  if (m == 0) return;
+  const int64_t nb = (l.n + 15) / 16;
+  const bool amx = uses_amx(l, path);
+  GemmArgs base{l.fmt, x, l.w, l.exps, y, m, l.n, l.k, l.kp, l.bk, 0, nb, l.group_exps, 0};
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
+    GemmArgs a = base;
+    a.nb0 = lo * 2;
+    a.nb1 = std::min(hi * 2, nb);
+    if (amx) gemm_amx(&a);
+    else if (path != Path::AVX2) gemm_avx512(&a);
+    else gemm_avx2(&a);
+  });
+}
+
+// Copies rows src[row(i)] (i < m, each k values of `es` bytes) into stage [.][kp], zeroing the
+// padding columns and the rows [m, rows).
+template <typename RowOf>
+void stage_rows(const char* src, int64_t k, int64_t kp, int64_t es, int64_t m, int64_t rows, RowOf row_of, char* stage) {
+  for (int64_t i = 0; i < m; ++i) {
+    memcpy(stage + i * kp * es, src + row_of(i) * k * es, k * es);
+    if (kp > k) memset(stage + (i * kp + k) * es, 0, (kp - k) * es);
+  }
+  if (rows > m) memset(stage + m * kp * es, 0, (rows - m) * kp * es);
+}
+
+int64_t dtype_code(const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
+
+}  // namespace
+
+torch::Tensor moe_stamps(const std::vector<torch::Tensor>& watch) {
+  auto out = torch::empty({static_cast<int64_t>(watch.size()), 3}, torch::kInt64);
+  auto* o = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < watch.size(); ++i) {
+    const auto& t = watch[i];
+    o[3 * i] = reinterpret_cast<int64_t>(t.data_ptr());
+    o[3 * i + 1] = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+    o[3 * i + 2] = dtype_code(t);
+  }
+  return out;
+}
+
+c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
+                                         const std::vector<torch::Tensor>& packs, const torch::Tensor& meta,
+                                         const std::vector<torch::Tensor>& watch, const torch::Tensor& stamps,
+                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa,
+                                         FakeQuantFn quant) {
+  // ---- the pack set is still the layer's weights ----
+  TORCH_CHECK(stamps.scalar_type() == torch::kInt64 && stamps.is_contiguous() &&
+              stamps.numel() == 3 * static_cast<int64_t>(watch.size()),
+              "kernels.moe_experts: stamps must be int64 [", watch.size(), ", 3], got ", stamps.sizes());
+  const auto* st = stamps.data_ptr<int64_t>();
+  for (size_t i = 0; i < watch.size(); ++i) {
+    const auto& t = watch[i];
+    if (reinterpret_cast<int64_t>(t.data_ptr()) != st[3 * i] || dtype_code(t) != st[3 * i + 2] ||
+        (t.is_inference() ? -1 : static_cast<int64_t>(t._version())) != st[3 * i + 1])
+      return c10::nullopt;
+  }
+  // ---- arguments ----
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2 &&
+              (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "kernels.moe_experts: x must be a contiguous bf16 / fp32 CPU tensor [T, D], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == T,
+              "kernels.moe_experts: ids must be contiguous int64 [", T, ", k], got ", ids.scalar_type(), " ", ids.sizes());
+  const int64_t K = ids.size(1);
+  TORCH_CHECK(K >= 1, "kernels.moe_experts: ids must have k >= 1 columns");
+  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() && weights.sizes() == ids.sizes(),
+              "kernels.moe_experts: weights must be contiguous fp32 ", ids.sizes(), ", got ", weights.scalar_type(), " ",
+              weights.sizes());
+  TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.is_contiguous() && meta.dim() == 2 &&
+              meta.size(1) == MOE_META && meta.size(0) % 3 == 0 && meta.size(0) >= 6,
+              "kernels.moe_experts: meta must be int64 [3 (E + 1), ", MOE_META, "], got ", meta.sizes());
+  const int64_t E = meta.size(0) / 3 - 1, L = meta.size(0);
+  TORCH_CHECK(static_cast<int64_t>(packs.size()) == 2 * L, "kernels.moe_experts: ", packs.size(),
+              " pack tensors for ", L, " linears (expected ", 2 * L, ")");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const int64_t es = bf16 ? 2 : 4;
+  Path path;
+  if (isa == "amx") path = Path::AMX;
+  else if (isa == "avx512") path = Path::AVX512;
+  else if (isa == "avx2") path = Path::AVX2;
+  else TORCH_CHECK(false, "kernels.moe_experts: unknown isa ", isa);
+  std::vector<Lin> lin(L);
+  const auto* mp = meta.data_ptr<int64_t>();
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t* r = mp + i * MOE_META;
+    const auto& data = packs[2 * i];
+    const auto& exps = packs[2 * i + 1];
+    lin[i] = Lin{static_cast<int>(r[0]), r[1], r[2], r[3], r[4], static_cast<int>(r[5]), data.data_ptr(),
+                 exps.numel() ? static_cast<const uint8_t*>(exps.data_ptr()) : nullptr};
+    check_lin(lin[i], data, exps, i);
+    TORCH_CHECK((lin[i].fmt == FMT_FP32) == !bf16, "kernels.moe_experts: linear ", i, " (format ", lin[i].fmt,
+                ") does not take ", x.scalar_type(), " activations");
+    const Lin& w1 = lin[i - i % 3];
+    const bool down = i % 3 == 2;
+    TORCH_CHECK(lin[i].k == (down ? w1.n : D) && lin[i].n == (down ? D : w1.n),
+                "kernels.moe_experts: linear ", i, " is ", lin[i].n, " x ", lin[i].k, ", expected ",
+                (down ? D : w1.n), " x ", (down ? w1.n : D));
+  }
+  TORCH_CHECK(x_block >= 0 && h_block >= 0 && (x_block == 0) == (h_block == 0) && (!x_block || D % x_block == 0),
+              "kernels.moe_experts: FP8 blocks ", x_block, " / ", h_block, " do not fit D = ", D);
+  // ---- slots grouped per expert (stable counting sort) ----
+  const int64_t S = T * K;
+  const auto* idp = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(idp[s] >= 0 && idp[s] < E, "kernels.moe_experts: ids holds expert ", idp[s], " outside [0, ", E, ")");
+    ++start[idp[s] + 1];
+  }
+  int64_t m_max = T;  // rows of the largest group (a hash table may repeat an expert in a row)
+  for (int64_t e = 0; e < E; ++e) {
+    m_max = std::max(m_max, start[e + 1]);
+    start[e + 1] += start[e];
+  }
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  auto sel = torch::empty({S}, torch::kInt64);
+  auto* sp = sel.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) sp[fill[idp[s]]++] = s;
+  // ---- per group: gather, w1 / w3, SwiGLU x weight, (FP8), w2 into its rows of `out` ----
+  torch::Tensor xq = x_block ? quant(x, x_block) : x;
+  const char* xs = static_cast<const char*>(xq.data_ptr());
+  const auto* wp = weights.data_ptr<float>();
+  auto out = torch::empty({S + T, D}, x.options());
+  char* op = static_cast<char*>(out.data_ptr());
+  int64_t max_i = 0;
+  for (int64_t e = 0; e <= E; ++e) max_i = std::max(max_i, lin[3 * e].n);
+  const int64_t rows_max = path == Path::AMX ? (m_max + 31) / 32 * 32 : m_max;
+  auto xstage = torch::empty({rows_max * (bf16 ? D + D % 2 : D)}, x.options());
+  auto hstage = torch::empty({rows_max * (bf16 ? max_i + max_i % 2 : max_i)}, x.options());
+  auto gate = torch::empty({m_max * max_i}, x.options());
+  auto up = torch::empty({m_max * max_i}, x.options());
+  std::vector<float> gw(m_max);
+  for (int64_t e = 0; e <= E; ++e) {
+    const bool shared = e == E;
+    const int64_t a = shared ? S : start[e], m = shared ? T : start[e + 1] - start[e];
+    if (m == 0) continue;
+    const Lin& w1 = lin[3 * e];
+    const Lin& w3 = lin[3 * e + 1];
+    const Lin& w2 = lin[3 * e + 2];
+    const int64_t I = w1.n;
+    const int64_t rows_x = (uses_amx(w1, path) || uses_amx(w3, path)) ? (m + 31) / 32 * 32 : m;
+    const int64_t kpx = bf16 ? w1.kp : D;
+    char* xst = static_cast<char*>(xstage.data_ptr());
+    if (shared) stage_rows(xs, D, kpx, es, m, rows_x, [](int64_t i) { return i; }, xst);
+    else stage_rows(xs, D, kpx, es, m, rows_x, [sp, a, K](int64_t i) { return sp[a + i] / K; }, xst);
+    run_gemm(w1, xst, m, gate.data_ptr(), path);
+    run_gemm(w3, xst, m, up.data_ptr(), path);
+    for (int64_t i = 0; i < m; ++i) gw[i] = shared ? 1.0f : wp[sp[a + i]];
+    auto hidden = torch::empty({m, I}, x.options());
+    swiglu(gate.data_ptr(), up.data_ptr(), bf16 ? 1 : 0, gw.data(), m, I, static_cast<float>(limit), hidden.data_ptr());
+    if (h_block) {
+      TORCH_CHECK(I % h_block == 0, "kernels.moe_experts: FP8 block ", h_block, " does not divide the expert width ", I);
+      hidden = quant(hidden, h_block);
+    }
+    const int64_t kph = bf16 ? w2.kp : I;
+    const int64_t rows_h = uses_amx(w2, path) ? (m + 31) / 32 * 32 : m;
+    const void* h2 = hidden.data_ptr();
+    if (kph != I || rows_h != m) {
+      char* hst = static_cast<char*>(hstage.data_ptr());
+      stage_rows(static_cast<const char*>(h2), I, kph, es, m, rows_h, [](int64_t i) { return i; }, hst);
+      h2 = hst;
+    }
+    run_gemm(w2, h2, m, op + a * D * es, path);
+  }
+  // ---- per token: its k slots in slot order (torch's cascade), then the shared expert ----
+  auto y = torch::empty({T, D}, x.options());
+  if (T) moe_combine(op, bf16 ? 1 : 0, sp, T, K, D, S, y.data_ptr());
+  return y;
+}
+
+}  // namespace kvshare_kernels

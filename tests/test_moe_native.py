@@ -1,0 +1,195 @@
+"""The MoE layer's experts in one native call (kernels/moe.py, csrc/moe.cpp).
+
+1. Bitwise the torch + per-expert-kernel path (`MoE.forward` with `_native_experts` switched off):
+   bf16 and fp32 weights, with and without FP8 input rounding, T = 1, 2, 7, 33, 300 rows, k = 1
+   and k = 2, experts that get no rows; the release's FP8 / FP4 formats kept packed (hash-routed
+   and scored layers of tiny-v4, fake quantisation on and off).
+2. Row invariance: a row's bits are the same alone and among 33 rows.
+3. An independent oracle: fp32 against spec/model.md §7.2 written out in float64 per token.
+4. Replaced or edited weights are noticed (the pack set is rebuilt), and bad ids are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshare.kernels import decode as native
+from kvshare.kernels import moe as native_moe
+from kvshare.model.linear import QLinear
+from kvshare.model.loader import load_model
+from kvshare.model.moe import MoE
+from kvshare.model.quantize import QuantMode
+from kvshare.ops.invariant import active
+from test_kernels_model import _quantised_checkpoint
+from test_model_common import get_config
+import test_moe_batched
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable (torch path only)")
+
+ROWS = (1, 2, 7, 33, 300)
+
+
+def _moe(dtype: torch.dtype, act: bool, k: int = 2, seed: int = 0) -> MoE:
+    cfg = dataclasses.replace(get_config("tiny-v41"), num_experts_per_tok=k)
+    moe = MoE(cfg, 0, QuantMode(False, False, act))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
+    return moe.to(dtype).eval()
+
+
+class _Spy:
+    """Counts the native calls that returned a result (so a test knows the native path ran)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = native_moe.experts
+
+        def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            y = real(*args, **kwargs)
+            self.calls += y is not None
+            return y
+
+        monkeypatch.setattr(native_moe, "experts", spy)
+
+
+def _both(moe: MoE, x: torch.Tensor, ids_in: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(native result, torch path result) of the layer in the batch-invariant mode."""
+    spy = _Spy(monkeypatch)
+    with torch.inference_mode(), active(True):
+        got = moe(x, ids_in)
+        assert spy.calls == 1
+        with monkeypatch.context() as m:
+            m.setattr(MoE, "_native_experts", lambda *a: None)
+            want = moe(x, ids_in)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", [False, True], ids=["plain", "fp8"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_native_experts_are_bitwise_the_torch_path(dtype: torch.dtype, act: bool, k: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = _moe(dtype, act, k)
+    g = torch.Generator().manual_seed(7)
+    for t in ROWS:
+        x = torch.randn(t, moe.gate.cfg.hidden_size, generator=g).to(dtype)
+        got, want = _both(moe, x, torch.zeros(t, dtype=torch.long), monkeypatch)
+        assert got.dtype == dtype and torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+
+
+def test_experts_without_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gate bias that sends every token to experts 0 and 1: experts 2 and 3 get no rows."""
+    moe = _moe(torch.bfloat16, act=True)
+    with torch.no_grad():
+        moe.gate.bias.copy_(torch.tensor([100.0, 90.0, 0.0, 0.0]))
+    x = torch.randn(33, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode(), active(True):
+        assert set(moe.gate(x, torch.zeros(33, dtype=torch.long))[1].flatten().tolist()) == {0, 1}
+    got, want = _both(moe, x, torch.zeros(33, dtype=torch.long), monkeypatch)
+    assert torch.equal(got, want)
+
+
+def test_rows_do_not_depend_on_the_other_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = _moe(torch.bfloat16, act=True)
+    x = torch.randn(33, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ids = torch.zeros(33, dtype=torch.long)
+    spy = _Spy(monkeypatch)
+    with torch.inference_mode(), active(True):
+        whole = moe(x, ids)
+        for r in (0, 5, 32):
+            assert torch.equal(moe(x[r:r + 1], ids[:1]), whole[r:r + 1]), r
+        assert torch.equal(moe(x[3:10], ids[:7]), whole[3:10])
+    assert spy.calls == 5
+
+
+def test_fp32_matches_the_spec_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 native layer against §7.2 per token in float64 (test_moe_batched's `_spec_moe`) on the
+    same weights; no FP8 rounding (its rounding points could flip between fp32 and float64).
+    Observed max |diff| 1.1e-5 on outputs up to 47 (3 fp32 ulps: the sums' rounding)."""
+    moe = _moe(torch.float32, act=False)
+    moe64 = _moe(torch.float64, act=False)
+    x = torch.randn(13, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    spy = _Spy(monkeypatch)
+    with torch.inference_mode(), active(True):
+        got = moe(x, torch.zeros(13, dtype=torch.long))
+    assert spy.calls == 1
+    monkeypatch.setattr(test_moe_batched, "_fp8", lambda v, block: v)  # the formula without FP8 rounding
+    with torch.no_grad():
+        want = test_moe_batched._spec_moe(moe64, x.double())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _quantised_checkpoint(tmp_path_factory.mktemp("qckpt_moe"))
+
+
+@pytest.mark.parametrize("quant", [True, False], ids=["fp8-act", "raw-act"])
+def test_release_formats_are_bitwise_the_torch_path(checkpoint: Path, quant: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-v4 as the release stores it (FP4 routed experts, FP8 shared expert, kept packed); its
+    first layer is hash-routed (the token's ids pick the experts)."""
+    model = load_model(checkpoint, dtype=torch.bfloat16, quant=quant)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers[0].gate.hash_routed and not layers[-1].gate.hash_routed
+    fmts = {lin.qweight.fmt for m in layers for lin in m.modules() if isinstance(lin, QLinear)}
+    assert fmts == {"fp4", "fp8"}
+    g = torch.Generator().manual_seed(5)
+    for moe in layers:
+        for t in ROWS:
+            x = torch.randn(t, moe.gate.cfg.hidden_size, generator=g).bfloat16()
+            tokens = torch.randint(0, moe.gate.cfg.vocab_size, (t,), generator=g)
+            got, want = _both(moe, x, tokens, monkeypatch)
+            assert torch.equal(got, want), (t, (got.float() - want.float()).abs().max())
+
+
+def _edits(moe: MoE) -> list:
+    """Ways a weight of the layer changes after its pack set was built."""
+    w1 = moe.experts[1].w1
+
+    def in_place() -> None:
+        w1.weight.mul_(-1.5)
+
+    def new_data() -> None:
+        w1.weight.data = w1.weight.data * 2
+
+    def new_parameter() -> None:
+        w1.weight = torch.nn.Parameter(w1.weight.detach() * -1, requires_grad=False)
+
+    def new_expert() -> None:
+        moe.experts[2] = _moe(torch.bfloat16, act=True, seed=9).experts[2]
+
+    return [in_place, new_data, new_parameter, new_expert]
+
+
+def test_changed_weights_are_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = _moe(torch.bfloat16, act=True)
+    with torch.no_grad():
+        moe.gate.bias.copy_(torch.tensor([0.0, 100.0, 100.0, 0.0]))  # every token uses experts 1 and 2
+    x = torch.randn(9, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ids = torch.zeros(9, dtype=torch.long)
+    for edit in _edits(moe):
+        with torch.no_grad(), active(True):
+            before = moe(x, ids)
+            edit()
+        got, want = _both(moe, x, ids, monkeypatch)
+        assert not torch.equal(want, before), edit.__name__
+        assert torch.equal(got, want), edit.__name__
+
+
+def test_bad_expert_ids_are_refused() -> None:
+    moe = _moe(torch.bfloat16, act=False)
+    x = torch.randn(3, moe.gate.cfg.hidden_size).bfloat16()
+    packs = moe._pack_set()
+    assert packs is not None
+    ids = torch.tensor([[0, 1], [2, 4], [3, 0]])
+    with pytest.raises(RuntimeError, match="ids holds expert 4 outside"):
+        native_moe.experts(x, ids, torch.ones(3, 2), packs, 10.0, 0, 0)
+    with pytest.raises(RuntimeError, match="weights must be contiguous fp32"):
+        native_moe.experts(x, ids.clamp(max=3), torch.ones(3, 2, dtype=torch.float64), packs, 10.0, 0, 0)
