@@ -30,6 +30,7 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.kernels import decode as native
+from kvshare.kernels import moe as native_moe
 from kvshare.model import Transformer
 from kvshare.model import mhc
 from kvshare.model.dense_cache import DenseCache
@@ -190,14 +191,13 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     model, prompts = _model_and_prompts(name, dtype, n_seq)
     ref = _logits(model, prompts, 4, on=False)
     calls, pools, moe = [], [], []
-    real, real_pool, real_swiglu, real_combine = native.mhc_expand, native.compress_pool, native.swiglu, native.moe_combine
+    real, real_pool, real_moe = native.mhc_expand, native.compress_pool, native_moe.experts
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
-    monkeypatch.setattr(native, "swiglu", lambda *a: moe.append(1) or real_swiglu(*a))
-    monkeypatch.setattr(native, "moe_combine", lambda *a: moe.append(1) or real_combine(*a))
+    monkeypatch.setattr(native_moe, "experts", lambda *a: moe.append(1) or real_moe(*a))
     got = _logits(model, prompts, 4, on=True)
     assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
-    assert len(moe) == 5 * 2 * model.cfg.num_hidden_layers  # SwiGLU and combine in every MoE of every step
+    assert len(moe) == 5 * model.cfg.num_hidden_layers  # the one-call experts (kernels/moe.py) in every MoE
     assert bool(pools) == name.endswith("/64")  # the compressor pooling where its dims allow
     for step, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), step
