@@ -44,6 +44,9 @@ def test_a_float64_model_forward_never_reaches_the_kernels(monkeypatch: pytest.M
     for name in ("rms_norm", "rope", "mhc_post", "mhc_collapse", "mhc_expand", "swiglu", "moe_combine",
                  "moe_route", "sparse_attention", "compress_pool"):
         monkeypatch.setattr(native, name, boom)
+    from kvshare.kernels import moe as native_moe
+
+    monkeypatch.setattr(native_moe, "experts", boom)  # the one-call MoE experts
     model = build_model(ModelConfig.from_dict(peer_v4_config(QUICK)), 0, torch.float64)
     eng = make_engine(model, batch=1, max_len=40, block_size=128, dtype="float64", device="cpu")
     model.batch_invariant = True  # the native kernels serve only batch-invariant forwards
