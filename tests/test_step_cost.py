@@ -98,7 +98,7 @@ def test_torch_calls_per_decode_step_of_the_shipped_model_at_batch_4() -> None:
     batch 4 before the step pipeline (counted as `benchmarks/step_cost.py calls` counts: every call
     reaching a TorchFunctionMode, attribute reads included). Observed 3,222 in the default mode after
     the per-forward native decision, the (address, version) pack lookup and the native row codecs
-    (6,902 before them); mutation: `forward_scope` deciding nothing (every `serves` call reading its
+    (6,902 before them), 2,548 with the MoE's experts in one native call (kernels/moe.py); mutation: `forward_scope` deciding nothing (every `serves` call reading its
     tensors again) gives 4,239, dropping the native row codecs 4,287, both together 5,304 (fails)."""
     from torch_calls import CallCounter
 
