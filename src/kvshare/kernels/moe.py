@@ -1,7 +1,7 @@
 """A MoE layer's experts in one native call (csrc/moe.cpp), with the layer's packs collected once.
 
-`experts(x, ids, weights, packs, ...)` computes what `model/moe.py`'s torch + per-expert-kernel path computes
-after the gate, bitwise: the slots grouped per expert (stable), each group's w1 / w3 GEMMs, the
+`experts(x, ids, weights, packs, ...)` computes what `model/moe.py`'s torch + per-expert-kernel
+path computes after the gate, bitwise: the slots grouped per expert (stable), each group's w1 / w3 GEMMs, the
 clamped SwiGLU times the routing weight, the FP8 rounding of the GEMM inputs where the model has
 it, the w2 GEMM, and the per-token combine (slots j = 0..k-1 in torch's order, then the shared
 expert). The GEMMs are the same C++ functions `kernels.linear` calls, with its ISA (`best_isa`),
