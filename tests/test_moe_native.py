@@ -7,6 +7,12 @@
 2. Row invariance: a row's bits are the same alone and among 33 rows.
 3. An independent oracle: fp32 against spec/model.md §7.2 written out in float64 per token.
 4. Replaced or edited weights are noticed (the pack set is rebuilt), and bad ids are refused.
+
+Mutations caught (each run against a mutated copy): AVX-512 instead of AMX for every weight (the
+bf16 k = 2 T = 300 case differs by 1e-3); no FP8 rounding of the SwiGLU output before w2 (7 tests);
+the C++ stamp check dropped (`in_place` edit); either global registration hook dropped
+(`new_parameter` / `new_expert`). Not distinguishable: an unstable grouping inside an expert (every
+row is computed alone and the combine reads rows by slot, so the order inside a group changes no bit).
 """
 
 from __future__ import annotations
@@ -162,8 +168,10 @@ def _edits(moe: MoE) -> list:
     def new_parameter() -> None:
         w1.weight = torch.nn.Parameter(w1.weight.detach() * -1, requires_grad=False)
 
+    spare = _moe(torch.bfloat16, act=True, seed=9).experts[2]  # made before any pack set: no registration later
+
     def new_expert() -> None:
-        moe.experts[2] = _moe(torch.bfloat16, act=True, seed=9).experts[2]
+        moe.experts[2] = spare
 
     return [in_place, new_data, new_parameter, new_expert]
 
