@@ -201,3 +201,19 @@ def test_bad_expert_ids_are_refused() -> None:
         native_moe.experts(x, ids, torch.ones(3, 2), packs, 10.0, 0, 0)
     with pytest.raises(RuntimeError, match="weights must be contiguous fp32"):
         native_moe.experts(x, ids.clamp(max=3), torch.ones(3, 2, dtype=torch.float64), packs, 10.0, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_odd_widths(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hidden 33 and expert width 35: K padded to even (bf16 pairs), no AMX tiles (K % 32 != 0)."""
+    cfg = dataclasses.replace(get_config("tiny-v41"), hidden_size=33, moe_intermediate_size=35)
+    moe = MoE(cfg, 0, QuantMode(False, False, False))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
+    moe = moe.to(dtype).eval()
+    for t in (1, 33):
+        x = torch.randn(t, 33, generator=g).to(dtype)
+        got, want = _both(moe, x, torch.zeros(t, dtype=torch.long), monkeypatch)
+        assert torch.equal(got, want), t
