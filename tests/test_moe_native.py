@@ -131,16 +131,25 @@ def test_fp32_matches_the_spec_formula(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _quantised_checkpoint(tmp_path_factory.mktemp("qckpt_moe"))
+@pytest.fixture(scope="module", params=["tiny-v4", "bench-quant"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-v4, or `kvshare bench quant`'s model at the quick sizes, written as the release stores it."""
+    tmp = tmp_path_factory.mktemp("qckpt_moe")
+    if request.param == "tiny-v4":
+        return _quantised_checkpoint(tmp)
+    from kvshare.bench.quantised import quantised_checkpoint
+    from kvshare.bench.sizes import QUICK, peer_v4_config
+    from kvshare.config import ModelConfig
+
+    quantised_checkpoint(ModelConfig.from_dict(peer_v4_config(QUICK)), 0, str(tmp))
+    return tmp
 
 
 @pytest.mark.parametrize("quant", [True, False], ids=["fp8-act", "raw-act"])
 def test_release_formats_are_bitwise_the_torch_path(checkpoint: Path, quant: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-v4 as the release stores it (FP4 routed experts, FP8 shared expert, kept packed); its
-    first layer is hash-routed (the token's ids pick the experts)."""
+    """The release's formats (FP4 routed experts, FP8 shared expert, kept packed); the first layer
+    is hash-routed (the token's ids pick the experts)."""
     model = load_model(checkpoint, dtype=torch.bfloat16, quant=quant)
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert layers[0].gate.hash_routed and not layers[-1].gate.hash_routed
