@@ -10,6 +10,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "decode.h"
 
@@ -496,7 +497,12 @@ void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64
   // torch sums the k slots per channel with multi_row_sum for channels in whole groups of 32 (four
   // vectors) and with row_sum for the channels after the last such group
   const int64_t d_multi = D / 32 * 32;
-  int64_t* row = static_cast<int64_t*>(__builtin_alloca(sizeof(int64_t) * (T * k + 1)));
+  // heap, not stack: T * k grows with a prefill's tokens (a 64K-token step would be 3 MiB at k = 6)
+  int64_t* row = static_cast<int64_t*>(malloc(sizeof(int64_t) * (T * k + 1)));
+  if (row == nullptr) {  // out of memory: NaN rows (visible downstream), never stale values
+    for (int64_t i = 0; i < T * D; ++i) store(y, bf16, i, __builtin_nanf(""));
+    return;
+  }
   for (int64_t i = 0; i < T * k; ++i) row[sel[i]] = i;
   __m256* v = static_cast<__m256*>(__builtin_alloca(sizeof(__m256) * (k + 1)));
   alignas(32) float buf[8];
@@ -514,6 +520,7 @@ void moe_combine(const void* out, int bf16, const int64_t* sel, int64_t T, int64
       for (int64_t l = 0; l < c; ++l) store(y, bf16, t * D + d0 + l, buf[l]);
     }
   }
+  free(row);
 }
 
 }  // namespace kvshare_kernels
