@@ -27,7 +27,6 @@ from torch import nn
 
 from kvshare.config import YarnConfig
 from kvshare.kernels import decode as native
-from kvshare.ops import invariant
 from kvshare.precision import version_of
 
 _CPU32 = (torch.device("cpu"), torch.float32)
@@ -111,9 +110,10 @@ class RotaryEmbedding(nn.Module):
         x's tail is overwritten (x is returned); ignored when autograd records x.
         """
         rd = self.rope_dim
-        if invariant.is_on() and native.serves(x) and positions.dim() == 1 and x.is_contiguous():
-            # the same bits in one call (kernels/decode.py); `serves` means x is bf16 / fp32 on the
-            # CPU, so the working dtype is fp32 and the [P, rd] tables are the kernel's layout as built
+        if native.serves(x) and positions.dim() == 1 and x.is_contiguous():
+            # the same bits in one call (kernels/decode.py), in every mode: each product and the sum
+            # are correctly rounded, so no vector / scalar split can change them. `serves` means x is
+            # bf16 / fp32 on the CPU: the working dtype is fp32, the [P, rd] tables the kernel's layout
             c, s, s_neg = self.pair_tables(positions, self._freqs_cpu32())
             return native.rope(x, c, s_neg if inverse else s, inplace)
         freqs = self._freqs_for(x)
