@@ -151,6 +151,11 @@ class RowFormat:
         return self.dim - self.rope_dim if self.scheme == "fp8_v4" else self.dim
 
     @property
+    def plain_dtype(self) -> torch.dtype | None:
+        """The dtype of a row stored as plain values (bf16 / fp32 / fp64 rows), else None."""
+        return _PLAIN_DTYPES.get(self.scheme) if self.row_bytes else None
+
+    @property
     def label(self) -> str:
         """e.g. ``fp4:288`` (canonical name and row bytes)."""
         return f"{self.name}:{self.row_bytes}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.cache.in_place import PoolKeys, WindowKeys
 from kvshare.cache.pool import BlockPool
 from kvshare.cache.rings import Ring, write_all
 from kvshare.cache.step_reads import StepReadCache
@@ -96,13 +97,30 @@ class PagedBackend:
         ring = self.pool.ring(name, layer, depth, values.shape[-1])
         read = addr.ring_read(rows, depth, ring.rows)
         out = ring.window(read, values)
+        self._defer(name, layer, ring, values, batch)
+        return out, read.valid
+
+    def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int,
+                    batch: StepBatch) -> WindowKeys | None:
+        """`history` for every token row without the gather: the ring's stored bytes and the step's
+        row facts, for a kernel that reads them in place (cache/in_place.py); None where the ring's
+        rows are not plain values of `values`' dtype (the caller then asks `history`). The ring
+        update is deferred exactly as `history` defers it."""
+        ring = self.pool.ring(name, layer, depth, values.shape[-1])
+        if ring.fmt is None or ring.fmt.plain_dtype != values.dtype:
+            return None
+        addr = self._bound(batch)
+        self._defer(name, layer, ring, values, batch)
+        return WindowKeys(ring.data, values, addr.window_meta(), depth)
+
+    def _defer(self, name: str, layer: int, ring: Ring, values: torch.Tensor, batch: StepBatch) -> None:
+        """Queue the ring update of this step's `values` (once per (name, layer) and step)."""
         key = (name, layer)
         if key not in self._pending_keys:
             if self.capture is not None:  # prefix caching: ring rows at a block boundary (cache/checkpoint.py)
                 self.capture.take(name, layer, ring, values, batch)
             self._pending_keys.add(key)
             self._pending.append((ring, values))
-        return out, read.valid
 
     # ---- compressed rows ------------------------------------------------------------------------------
     def _tables(self, batch: StepBatch) -> torch.Tensor:
@@ -126,6 +144,15 @@ class PagedBackend:
         for view in targets:  # one view when sharing; every copy when not
             view[block, row] = packed
             self._reads.invalidate(view)
+
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> PoolKeys | None:
+        """The region layer `layer` reads, in place (cache/in_place.py), where its rows are plain
+        values of `dtype`; None otherwise (the caller then gathers with `gather_rows`)."""
+        if self.pool.formats[kind].plain_dtype != dtype:
+            return None
+        self._bound(batch)
+        return PoolKeys(self.pool.read_view(kind, layer), self._tables(batch), self.pool.ratio(layer),
+                        self.block_size)
 
     def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch import nn
 from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
+from kvshare.kernels.attn import paged_attention
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
@@ -119,6 +120,9 @@ class Attention(nn.Module):
         On top-k layers a row whose bucket is below k reads only min(bucket, k) pick columns (the
         rest are -1 for it): prefill at short contexts gathers its few compressed rows, not k."""
         batch = ctx.batch
+        o = self._attend_in_place(ctx, x, qr, q, kv, scale)
+        if o is not None:
+            return o
         win, win_valid = ctx.cache.history("window", self.layer, kv, self.cfg.sliding_window, batch)
         if self.ratio == 0:
             return self._attend(q, win, win_valid, scale)
@@ -143,6 +147,30 @@ class Attention(nn.Module):
             j = j.masked_fill(j >= n_causal[rows_b].unsqueeze(1), -1)
             out[rows_b] = self._attend_picks(ctx, q[rows_b], win[rows_b], win_valid[rows_b], seq[rows_b], j, scale)
         return out
+
+    def _attend_in_place(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
+                         kv: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """`_attend_rows` with every key read where the cache stores it (`kernels/attn.py`: the window
+        ring and this step's rows, the pool's compressed rows through the block table), all rows in
+        one call; the same keys in the same order as the gathers, so the bits of the native kernel
+        over gathered rows. None (nothing done, nothing deferred) where it does not serve: the native
+        attention off, no in-place reads in this backend (the dense cache), or quantised rows."""
+        cache = ctx.cache
+        if (not hasattr(cache, "window_keys") or q.dtype != kv.dtype or q.shape[-1] % 8
+                or not native.attention_enabled() or not native.serves(q, kv)):
+            return None
+        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch) if self.ratio > 0 else None
+        if self.ratio > 0 and rows is None:
+            return None
+        win = cache.window_keys("window", self.layer, kv, self.cfg.sliding_window, ctx.batch)
+        if win is None:
+            return None
+        if rows is None:
+            return paged_attention(q, win.ring, win.step, win.meta, win.depth, self.attn_sink, scale)
+        topk = self._compress_and_select(ctx, x, qr)
+        counts = ctx.addr.prefix(self.ratio).compress_len if topk is None else None  # V4 HCA: every causal entry
+        return paged_attention(q, win.ring, win.step, win.meta, win.depth, self.attn_sink, scale, rows.view,
+                               rows.tables, ctx.seq_index, topk, counts, rows.ratio, rows.block_size)
 
     def _attend_picks(self, ctx: StepContext, q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor,
                       seq: torch.Tensor, picks: torch.Tensor, scale: float) -> torch.Tensor:

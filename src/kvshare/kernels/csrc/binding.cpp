@@ -357,6 +357,83 @@ static c10::optional<torch::Tensor> moe_experts(torch::Tensor x, torch::Tensor i
   return kk::moe_experts(x, ids, weights, packs, meta, watch, stamps, limit, x_block, h_block, isa, &fake_quant_fp8);
 }
 
+#include "attn.h"
+
+// ---- paged attention (attn.h): keys read in place from the window ring, the step's rows and the pool ----
+// q [T, H, d]; ring uint8 [slots, rows, >= d * esz] and step [S, d] (the step's rows) in q's dtype; meta int64 [T, 4]
+// (slot, pos, chunk start, first step row); optional pool uint8 [blocks, rows, >= d * esz] with
+// tables int64 [N, C], seq int64 [T] and picks int64 [T, m] or counts int64 [T]. Every address a row
+// can reach is checked here, so the kernel never reads outside the tensors.
+static torch::Tensor paged_attention(torch::Tensor q, torch::Tensor ring, torch::Tensor step, torch::Tensor meta,
+                                     int64_t w, c10::optional<torch::Tensor> pool, c10::optional<torch::Tensor> tables,
+                                     c10::optional<torch::Tensor> seq, c10::optional<torch::Tensor> picks,
+                                     c10::optional<torch::Tensor> counts, int64_t ratio, int64_t block_size,
+                                     torch::Tensor sink, double scale) {
+  check_stream_dtype(q, "q");
+  check_rows(step, "step", q.scalar_type());
+  check_rows(meta, "meta", torch::kInt64);
+  check_rows(sink, "sink", torch::kFloat32);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) % 8 == 0 && q.size(2) <= 1024, "kernels.paged_attention: q must be [T, H, d] with d a multiple of 8 up to 1024, got ", q.sizes());
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), esz = q.element_size();
+  TORCH_CHECK(sink.numel() == h, "kernels.paged_attention: sink has ", sink.numel(), " entries for ", h, " heads");
+  TORCH_CHECK(step.dim() == 2 && step.size(1) == d, "kernels.paged_attention: step ", step.sizes(), " does not fit q ", q.sizes());
+  TORCH_CHECK(meta.dim() == 2 && meta.size(0) == t && meta.size(1) == 4, "kernels.paged_attention: meta must be [T, 4], got ", meta.sizes());
+  TORCH_CHECK(ring.device().is_cpu() && ring.scalar_type() == torch::kUInt8 && ring.dim() == 3 && ring.stride(2) == 1 &&
+              ring.size(2) >= d * esz && ring.size(1) >= 1, "kernels.paged_attention: ring must be uint8 [slots, rows, >= ", d * esz, "] with unit byte stride, got ", ring.sizes());
+  TORCH_CHECK(w >= 0 && w <= ring.size(1), "kernels.paged_attention: window ", w, " is deeper than the ring's ", ring.size(1), " rows");
+  const int64_t* mp = meta.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; ++r) {  // slot in range; step rows of the window inside [0, T)
+    const int64_t slot = mp[4 * r], pos = mp[4 * r + 1], start = mp[4 * r + 2], first = mp[4 * r + 3];
+    TORCH_CHECK(slot >= 0 && slot < ring.size(0) && start <= pos && first >= 0 && first + pos - start < step.size(0),
+                "kernels.paged_attention: meta row ", r, " (slot ", slot, ", pos ", pos, ", start ", start, ", first ", first, ") is outside the ring or the step");
+  }
+  kk::WindowKeys win{ring.data_ptr<uint8_t>(), ring.stride(0), ring.stride(1), ring.size(1),
+                     reinterpret_cast<const uint8_t*>(step.data_ptr()), d * esz, mp, w};
+  kk::PoolKeys pk{};
+  const bool has_pool = pool.has_value();
+  if (has_pool) {
+    TORCH_CHECK(tables.has_value() && seq.has_value() && (picks.has_value() != counts.has_value()),
+                "kernels.paged_attention: a pool needs tables, seq and exactly one of picks / counts");
+    TORCH_CHECK(pool->device().is_cpu() && pool->scalar_type() == torch::kUInt8 && pool->dim() == 3 && pool->stride(2) == 1 &&
+                pool->size(2) >= d * esz, "kernels.paged_attention: pool must be uint8 [blocks, rows, >= ", d * esz, "] with unit byte stride, got ", pool->sizes());
+    check_rows(*tables, "tables", torch::kInt64);
+    check_rows(*seq, "seq", torch::kInt64);
+    TORCH_CHECK(tables->dim() == 2 && seq->numel() == t, "kernels.paged_attention: tables must be [N, C] and seq [T]");
+    TORCH_CHECK(ratio >= 1 && block_size >= ratio && block_size % ratio == 0 && block_size / ratio <= pool->size(1),
+                "kernels.paged_attention: ratio ", ratio, " / block size ", block_size, " do not fit the pool's ", pool->size(1), " rows per block");
+    const int64_t* tp = tables->data_ptr<int64_t>();
+    for (int64_t i = 0; i < tables->numel(); ++i)
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < pool->size(0), "kernels.paged_attention: block table entry ", tp[i], " is outside the pool");
+    const int64_t* sp = seq->data_ptr<int64_t>();
+    for (int64_t r = 0; r < t; ++r)
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < tables->size(0), "kernels.paged_attention: seq[", r, "] = ", sp[r], " has no block table row");
+    int64_t m = 0;
+    const int64_t* pp = nullptr;
+    const int64_t* cp = nullptr;
+    if (picks.has_value()) {
+      check_rows(*picks, "picks", torch::kInt64);
+      TORCH_CHECK(picks->dim() == 2 && picks->size(0) == t, "kernels.paged_attention: picks must be [T, m], got ", picks->sizes());
+      m = picks->size(1);
+      pp = picks->data_ptr<int64_t>();
+    } else {
+      check_rows(*counts, "counts", torch::kInt64);
+      TORCH_CHECK(counts->numel() == t, "kernels.paged_attention: counts must be [T]");
+      cp = counts->data_ptr<int64_t>();
+      for (int64_t r = 0; r < t; ++r) TORCH_CHECK(cp[r] >= 0 && cp[r] <= tables->size(1) * (block_size / ratio), "kernels.paged_attention: counts[", r, "] = ", cp[r], " is past the block table");
+    }
+    pk = kk::PoolKeys{pool->data_ptr<uint8_t>(), pool->stride(0), pool->stride(1), tp, tables->size(1), sp, pp, m, cp,
+                      ratio, block_size};
+  }
+  auto out = torch::empty_like(q);
+  if (t == 0 || h == 0) return out;
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
+    kk::paged_attention(q.data_ptr(), bf16, h, d, win, has_pool ? &pk : nullptr, sink.data_ptr<float>(),
+                        static_cast<float>(scale), b, e, out.data_ptr());
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -377,4 +454,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
   mod.def("moe_experts", &moe_experts, "a MoE layer's routed and shared experts and their combine in one call (moe.h)");
   mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");
+  mod.def("paged_attention", &paged_attention, "sparse attention with a sink over keys read in place (attn.h)");
 }

@@ -1,0 +1,44 @@
+"""Paged sparse attention (csrc/attn.cpp): the attention of `model/attention.py` over keys read in
+place, where the cache keeps them, instead of gathered into new [T, M, d] tensors first.
+
+A query row's keys are its window (the W positions ending at its own: this step's rows for
+positions inside its chunk, its slot's window ring for earlier ones, nothing before position 0),
+then its compressed entries (top-k picks, -1 = none, or every entry below a per-row count) read
+from the paged pool through the block table. The arithmetic is `decode.sparse_attention`'s, in
+the same order over the same keys, so the output has the same bits as gathering the rows and
+calling that kernel (tests/test_native_attention.py asserts it). A row's bits depend on that row's
+inputs only; the call splits its rows over torch's intra-op threads.
+
+The caller (`cache/paged_backend.PagedBackend.window_keys` / `pool_keys`) hands over the stored
+bytes only where the rows are plain values of the query's dtype (bf16 or fp32 row formats);
+quantised rows (FP8 / FP4) keep the gather path, which decodes them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.kernels.build import library
+
+
+def paged_attention(q: torch.Tensor, ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, window: int,
+                    sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
+                    tables: torch.Tensor | None = None, seq: torch.Tensor | None = None,
+                    picks: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                    ratio: int = 1, block_size: int = 1) -> torch.Tensor:
+    """[T, H, d] in q's dtype.
+
+    q [T, H, d] (bf16 / fp32); ring uint8 [slots, rows, bytes] (rows of q's dtype in the first
+    d * itemsize bytes); step [S, d] this step's window rows; meta int64 [T, 4] = (slot, position,
+    chunk start, the chunk's first step row) per query row; `window` keys per row. Optional pool
+    uint8 [blocks, rows per block, bytes] with block `tables` [N, C], each row's sequence `seq` [T]
+    and its entries: `picks` [T, m] (-1 = none) or `counts` [T] (entries 0 .. count - 1), at
+    `ratio` tokens per entry in blocks of `block_size` tokens."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kernels.attn: the native library is unavailable (check kernels.decode.enabled())")
+    def c(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous()
+
+    return lib.paged_attention(q.contiguous(), ring, step.contiguous(), meta, window, pool, c(tables), c(seq),
+                               c(picks), c(counts), ratio, block_size, sink.float().contiguous(), scale)
