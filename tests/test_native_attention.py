@@ -252,3 +252,69 @@ def test_engine_logits_are_bitwise_the_gather_paths(name: str, dtype: torch.dtyp
     assert rows.keys() == ref_rows.keys()
     for k in rows:
         assert torch.equal(rows[k], ref_rows[k]), k
+
+
+def _topk_config(name: str, k: int):
+    import json
+
+    from kvshare.config import ModelConfig
+    from kvshare.shipped import resolve_config_path
+
+    raw = json.loads(resolve_config_path(name).read_text())
+    raw.update(index_topk=k)
+    return ModelConfig.from_dict(raw)
+
+
+def _generate(model: Transformer, prompts: list[list[int]], n: int, **kw):
+    eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype="bfloat16", max_num_seqs=4,
+                    max_num_batched_tokens=23, **kw)
+    rows = {}
+    run = eng.runner.run
+
+    def spy(chunks):
+        logits, sampling = run(chunks)
+        for row, i in enumerate(sampling):
+            s = chunks[i].seq
+            rows[(s.request_id, len(s.output_token_ids))] = logits[row].clone()
+        return logits, sampling
+
+    eng.runner.run = spy
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    with torch.inference_mode():
+        while eng.has_unfinished_requests():
+            eng.step()
+    return rows
+
+
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+def test_a_selection_that_fits_in_the_top_k_skips_the_scores_with_the_same_logits(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While no sequence has more than k compressed rows the indexer returns every causal entry
+    unscored (`Indexer.every_entry_fits`); the widest sequence crosses k during decode, so
+    both the unscored and the scored selections run. Every sampled logits row equals, bitwise, the
+    run that scores every step. Mutation caught (both tests fail): the unscored picks without each
+    row's causal bound (every row given the entries below the widest sequence's count)."""
+    from kvshare.model.indexer import Indexer
+
+    v4 = name == "tiny-v4"
+    # tiny-v41's candidate pool holds 5 entries, so k = 5 there (its ratio-2 index sources cross it)
+    model = Transformer(_topk_config(name, 10 if v4 else 5), quant=False).init_weights(5).eval().to(torch.bfloat16)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)] for n in ((25, 7, 30) if v4 else (6, 3, 9))]
+    kw = dict(block_size=128, num_blocks=8) if name == "tiny-v4" else dict(block_size=16, num_blocks=24)
+    real = Indexer.every_entry_fits
+    seen = []
+
+    def fits(self, width):
+        seen.append(real(self, width))
+        return seen[-1]
+
+    monkeypatch.setattr(Indexer, "every_entry_fits", fits)
+    got = _generate(model, prompts, 16, **kw)
+    assert True in seen and False in seen
+    monkeypatch.setattr(Indexer, "every_entry_fits", lambda self, width: False)
+    want = _generate(model, prompts, 16, **kw)
+    assert got.keys() == want.keys()
+    for key in got:
+        assert torch.equal(got[key], want[key]), key

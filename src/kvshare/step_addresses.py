@@ -244,6 +244,14 @@ class StepAddresses:
             return Prefix(ratio, n_t[:n], width, masks[:n], n_t[n:], masks[n:])
         return self._cached(("prefix", ratio), build)  # type: ignore[return-value]
 
+    def causal_picks(self, ratio: int, k: int) -> torch.Tensor:
+        """[T, k] int64: every row's causal compressed entries ``0 .. (pos + 1) // ratio - 1`` in
+        ascending order, -1 padded (a top-k selection when no row has more than k entries)."""
+        def build() -> torch.Tensor:
+            j = np.arange(k, dtype=np.int64)[None, :]
+            return self._tensor(np.where(j < ((self._pos + 1) // ratio)[:, None], j, -1))
+        return self._cached(("causal_picks", ratio, k), build)  # type: ignore[return-value]
+
     def length_buckets(self, ratio: int, bucket: int) -> list[tuple[int, torch.Tensor]]:
         """Token rows grouped by their causal compressed count ``(pos + 1) // ratio`` rounded up to
         a multiple of `bucket` (at least `bucket`): ``[(bucket length, rows [G])]``, ascending.

@@ -168,7 +168,12 @@ class Attention(nn.Module):
         if rows is None:
             return paged_attention(q, win.ring, win.step, win.meta, win.depth, self.attn_sink, scale)
         topk = self._compress_and_select(ctx, x, qr)
-        counts = ctx.addr.prefix(self.ratio).compress_len if topk is None else None  # V4 HCA: every causal entry
+        pre = ctx.addr.prefix(self.ratio)
+        counts = pre.compress_len if topk is None else None  # V4 HCA: every causal entry
+        if topk is not None and topk.shape[1] > pre.width:
+            # a row picks at most its causal count <= width entries, listed first: the columns past
+            # the width are -1 for every row (they add nothing; the kernel need not visit them)
+            topk = topk[:, :pre.width]
         return paged_attention(q, win.ring, win.step, win.meta, win.depth, self.attn_sink, scale, rows.view,
                                rows.tables, ctx.seq_index, topk, counts, rows.ratio, rows.block_size)
 

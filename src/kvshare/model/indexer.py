@@ -76,13 +76,20 @@ class Indexer(nn.Module):
 
     # ---- selection ---------------------------------------------------------------------------
     def select(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
-        """[T, index_topk] ascending compressed-entry picks per token row (-1 padded)."""
+        """[T, index_topk] ascending compressed-entry picks per token row (-1 padded).
+
+        When no sequence of the step has more than index_topk compressed rows (host ints), the
+        top-k of every row is all of its causal entries whatever their scores (finite: relu'd
+        dot products times finite weights), so nothing is scored; a layer that publishes or uses
+        candidate blocks still scores (its candidates need the scores)."""
+        pre = ctx.addr.prefix(self.ratio)
+        if self.every_entry_fits(pre.width):
+            return ctx.addr.causal_picks(self.ratio, self.cfg.index_topk)
         t = x.shape[0]
         pos = ctx.positions
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
         w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        pre = ctx.addr.prefix(self.ratio)
         keys, _ = ctx.cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
         compress_len = pre.compress_len
         cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
@@ -109,6 +116,11 @@ class Indexer(nn.Module):
         if ctx.ties is not None:
             self._log_ties(ctx, "index", boundary_ties(scores, self.cfg.index_topk))
         return select_topk(scores, compress_len, self.cfg.index_topk)
+
+    def every_entry_fits(self, width: int) -> bool:
+        """Whether a step whose widest sequence has `width` compressed rows selects every causal
+        entry without scoring (see `select`)."""
+        return width <= self.cfg.index_topk and not (self.plan.publishes_candidates or self.plan.uses_candidates)
 
     def _log_ties(self, ctx: StepContext, kind: str, rows: torch.Tensor) -> None:
         n = int(rows.sum())
