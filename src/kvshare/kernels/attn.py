@@ -42,3 +42,19 @@ def paged_attention(q: torch.Tensor, ring: torch.Tensor, step: torch.Tensor, met
 
     return lib.paged_attention(q.contiguous(), ring, step.contiguous(), meta, window, pool, c(tables), c(seq),
                                c(picks), c(counts), ratio, block_size, sink.float().contiguous(), scale)
+
+
+def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, keys_dtype: torch.dtype, seq: torch.Tensor,
+               counts: torch.Tensor, k: int, tables: torch.Tensor | None = None, ratio: int = 1,
+               block_size: int = 1) -> torch.Tensor:
+    """[T, k] int64 ascending picks (-1 padded): the k highest lightning-indexer scores
+    ``sum_h w[t, h] relu(q[t, h] . key_j)`` over entries j < counts[t] of row t's sequence seq[t], ties to
+    the lower j (csrc/index.h: the order of every sum). q [T, H, d] and w [T, H] are taken in fp32. Keys:
+    the pool in place (`tables` given: keys uint8 [blocks, rows per block, bytes], rows of `keys_dtype`) or
+    gathered rows [N, L, d] of `keys_dtype` (bf16 or fp32)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("kernels.attn: the native library is unavailable (check kernels.decode.enabled())")
+    return lib.index_topk(q.float().contiguous(), w.float().contiguous(), keys, keys_dtype == torch.bfloat16,
+                          None if tables is None else tables.contiguous(), seq.contiguous(), counts.contiguous(),
+                          ratio, block_size, k)

@@ -25,6 +25,8 @@ from torch import nn
 
 from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
+from kvshare.kernels import decode as native
+from kvshare.kernels.attn import index_topk
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.linear import QLinear, plain_linear
@@ -90,6 +92,13 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
         w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        if self.native_serves(ctx, q):
+            return self.native_select(ctx, q, w)
+        return self.scored_select(ctx, q, w)
+
+    def scored_select(self, ctx: StepContext, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`select` from the index queries q [T, H, d] and head weights w [T, H] with torch ops."""
+        pre = ctx.addr.prefix(self.ratio)
         keys, _ = ctx.cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
         compress_len = pre.compress_len
         cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
@@ -116,6 +125,26 @@ class Indexer(nn.Module):
         if ctx.ties is not None:
             self._log_ties(ctx, "index", boundary_ties(scores, self.cfg.index_topk))
         return select_topk(scores, compress_len, self.cfg.index_topk)
+
+    def native_serves(self, ctx: StepContext, q: torch.Tensor) -> bool:
+        """Whether `native_select` takes this call: a batch-invariant forward with the native
+        attention kernels on (the switch of the kernels whose sums are their own), bf16 / fp32
+        queries, no candidate blocks and no tie log (both need the scores)."""
+        return (invariant.is_on() and q.shape[-1] % 8 == 0 and ctx.ties is None and native.attention_enabled()
+                and native.serves(q) and not (self.plan.publishes_candidates or self.plan.uses_candidates))
+
+    def native_select(self, ctx: StepContext, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`scored_select` in one native call (`kernels.attn.index_topk`): the keys read in place
+        from the pool where they are plain rows of q's dtype, else the gathered (decoded) rows; the
+        scores summed in the kernel's own order (csrc/index.h), so a pick may differ from the torch
+        path's only where two scores are within that rounding of each other."""
+        pre, cache, k = ctx.addr.prefix(self.ratio), ctx.cache, self.cfg.index_topk
+        rows = cache.pool_keys("index_k", self.layer, q.dtype, ctx.batch) if hasattr(cache, "pool_keys") else None
+        if rows is not None:
+            return index_topk(q, w, rows.view, q.dtype, ctx.seq_index, pre.compress_len, k, rows.tables, rows.ratio,
+                              rows.block_size)
+        keys, _ = cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
+        return index_topk(q, w, keys, keys.dtype, ctx.seq_index, pre.compress_len, k)
 
     def every_entry_fits(self, width: int) -> bool:
         """Whether a step whose widest sequence has `width` compressed rows selects every causal

@@ -434,6 +434,65 @@ static torch::Tensor paged_attention(torch::Tensor q, torch::Tensor ring, torch:
   return out;
 }
 
+#include "index.h"
+
+// ---- indexer scores + top-k (index.h): keys in place from the pool (tables given: keys uint8 [blocks,
+// rows, >= d * esz]) or from a gathered tensor keys [N, L, d] (no tables); q [T, H, d], w [T, H] fp32;
+// seq, counts int64 [T]; picks int64 [T, k]. Every address a row can reach is checked here.
+static torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor keys, bool keys_bf16,
+                                c10::optional<torch::Tensor> tables, torch::Tensor seq, torch::Tensor counts,
+                                int64_t ratio, int64_t block_size, int64_t k) {
+  check_rows(q, "q", torch::kFloat32);
+  check_rows(w, "w", torch::kFloat32);
+  check_rows(seq, "seq", torch::kInt64);
+  check_rows(counts, "counts", torch::kInt64);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) % 8 == 0, "kernels.index_topk: q must be [T, H, d] with d a multiple of 8, got ", q.sizes());
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2), esz = keys_bf16 ? 2 : 4;
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == t && w.size(1) == h, "kernels.index_topk: w ", w.sizes(), " does not fit q ", q.sizes());
+  TORCH_CHECK(seq.numel() == t && counts.numel() == t, "kernels.index_topk: seq and counts must be [T]");
+  TORCH_CHECK(k >= 1, "kernels.index_topk: k must be >= 1, got ", k);
+  TORCH_CHECK(keys.device().is_cpu() && keys.dim() == 3 && keys.stride(2) == 1, "kernels.index_topk: keys must be a CPU [., ., .] tensor with unit last stride, got ", keys.sizes());
+  const int64_t* sp = seq.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  kk::IndexKeys ik{};
+  ik.keys = reinterpret_cast<const uint8_t*>(keys.data_ptr());
+  ik.bf16 = keys_bf16 ? 1 : 0;
+  ik.seq = sp;
+  if (tables.has_value()) {
+    check_rows(*tables, "tables", torch::kInt64);
+    TORCH_CHECK(keys.scalar_type() == torch::kUInt8 && keys.size(2) >= d * esz, "kernels.index_topk: pool keys must be uint8 [blocks, rows, >= ", d * esz, "], got ", keys.sizes());
+    TORCH_CHECK(tables->dim() == 2 && ratio >= 1 && block_size >= ratio && block_size % ratio == 0 && block_size / ratio <= keys.size(1),
+                "kernels.index_topk: ratio ", ratio, " / block size ", block_size, " do not fit the pool's ", keys.size(1), " rows per block");
+    const int64_t* tp = tables->data_ptr<int64_t>();
+    for (int64_t i = 0; i < tables->numel(); ++i)
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < keys.size(0), "kernels.index_topk: block table entry ", tp[i], " is outside the pool");
+    ik.block_stride = keys.stride(0);
+    ik.row_stride = keys.stride(1);
+    ik.tables = tp;
+    ik.table_cols = tables->size(1);
+    ik.ratio = ratio;
+    ik.block_size = block_size;
+    for (int64_t r = 0; r < t; ++r)
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < tables->size(0) && cp[r] >= 0 && cp[r] <= tables->size(1) * (block_size / ratio),
+                  "kernels.index_topk: row ", r, " (seq ", sp[r], ", count ", cp[r], ") is outside the block table");
+  } else {
+    TORCH_CHECK(keys.scalar_type() == (keys_bf16 ? torch::kBFloat16 : torch::kFloat32) && keys.size(2) == d,
+                "kernels.index_topk: gathered keys must be [N, L, ", d, "] of the stated dtype, got ", keys.scalar_type(), " ", keys.sizes());
+    ik.block_stride = keys.stride(0) * esz;
+    ik.row_stride = keys.stride(1) * esz;
+    ik.dense_rows = keys.size(1);
+    for (int64_t r = 0; r < t; ++r)
+      TORCH_CHECK(sp[r] >= 0 && sp[r] < keys.size(0) && cp[r] >= 0 && cp[r] <= keys.size(1),
+                  "kernels.index_topk: row ", r, " (seq ", sp[r], ", count ", cp[r], ") is outside the keys");
+  }
+  auto picks = torch::empty({t, k}, seq.options());
+  if (t == 0) return picks;
+  at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
+    kk::index_topk(q.data_ptr<float>(), w.data_ptr<float>(), h, d, ik, cp, k, b, e, picks.data_ptr<int64_t>());
+  });
+  return picks;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -455,4 +514,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("moe_experts", &moe_experts, "a MoE layer's routed and shared experts and their combine in one call (moe.h)");
   mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");
   mod.def("paged_attention", &paged_attention, "sparse attention with a sink over keys read in place (attn.h)");
+  mod.def("index_topk", &index_topk, "lightning-indexer scores and stable top-k over keys read in place (index.h)");
 }
