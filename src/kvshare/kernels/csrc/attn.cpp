@@ -28,6 +28,14 @@ inline void to_f32(const uint8_t* p, int bf16, int64_t d, float* out) {
   }
 }
 
+inline __m256 load8(const uint8_t* p, int bf16, int64_t i) {  // 8 values of a key row as fp32
+  if (bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+}
+
 inline float hsum8(__m256 v) {  // (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)), as decode.cpp
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -133,20 +141,25 @@ void paged_attention(const void* q, int bf16, int64_t H, int64_t d, const Window
       _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_load_ps(buf)));
       denom[h] = dn + buf[0];
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t i = 0; i < M; ++i) {  // weighted values: key i once, every head's fma chain in key order
-      if (keys[i] == nullptr) continue;
-      bool any = false;
-      for (int64_t h = 0; h < H; ++h) any = any || s[h * (M + 8) + i] != 0.0f;
-      if (!any) continue;
-      to_f32(keys[i], bf16, d, kf.data());
-      for (int64_t h = 0; h < H; ++h) {
-        const float p = s[h * (M + 8) + i];
-        if (p == 0.0f) continue;  // underflowed: adds nothing (as decode.cpp)
-        const __m256 pv = _mm256_set1_ps(p);
-        float* ah = acc.data() + h * d;
-        for (int64_t v = 0; v < nv; ++v)
-          _mm256_storeu_ps(ah + v * 8, _mm256_fmadd_ps(pv, _mm256_loadu_ps(kf.data() + v * 8), _mm256_loadu_ps(ah + v * 8)));
+    // weighted values: per head and block of 64 channels, the accumulators stay in registers while
+    // the keys go by in order (each channel's fma chain over the keys is decode.cpp's)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* sh = s.data() + h * (M + 8);
+      for (int64_t v0 = 0; v0 < nv; v0 += 8) {
+        const int64_t nb = nv - v0 < 8 ? nv - v0 : 8;
+        __m256 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < M; ++i) {
+          const float p = sh[i];
+          if (p == 0.0f || keys[i] == nullptr) continue;  // masked or underflowed: adds nothing (as decode.cpp)
+          const __m256 pv = _mm256_set1_ps(p);
+          if (nb == 8) {
+            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(pv, load8(keys[i], bf16, (v0 + u) * 8), a[u]);
+          } else {
+            for (int64_t u = 0; u < nb; ++u) a[u] = _mm256_fmadd_ps(pv, load8(keys[i], bf16, (v0 + u) * 8), a[u]);
+          }
+        }
+        for (int64_t u = 0; u < nb; ++u) _mm256_storeu_ps(acc.data() + h * d + (v0 + u) * 8, a[u]);
       }
     }
     for (int64_t h = 0; h < H; ++h) {
