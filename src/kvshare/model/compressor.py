@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvshare import kernels
 from kvshare.kernels import decode as native
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant
-from kvshare.precision import wide
+from kvshare.precision import version_of, wide
 from kvshare.step_addresses import Groups
 
 if TYPE_CHECKING:
@@ -78,9 +79,22 @@ class Compressor(nn.Module):
         self.wkv = plain_linear(hidden, self.coff * dim)
         if ratio > 1:
             self.wgate = plain_linear(hidden, self.coff * dim)
+        self._fused: tuple[tuple, "kernels.Packed"] | None = None  # see `_fused_pack`
         self.norm = RMSNorm(dim, eps)
         if ape:
             self.ape = nn.Parameter(torch.zeros(ratio, self.coff * dim))
+
+    def _fused_pack(self) -> "kernels.Packed | None":
+        """The kernels' pack of ``cat([wide(wkv), wide(wgate)])`` (rows [a | z]), made once per version
+        of the two weights; None where the kernels do not serve them (no native library, not CPU)."""
+        wkv, wgate = self.wkv.weight, self.wgate.weight
+        if not kernels.available() or wkv.device.type != "cpu" or wkv.dtype == torch.float64:
+            return None
+        key = (wkv.data_ptr(), version_of(wkv), wgate.data_ptr(), version_of(wgate), wkv.dtype, wgate.dtype)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                self._fused = (key, kernels.pack(torch.cat([wide(wkv), wide(wgate)]).detach()))
+        return self._fused[1]
 
     @property
     def depth(self) -> int:
@@ -94,12 +108,20 @@ class Compressor(nn.Module):
             return Emitted(groups, self.norm(self.wkv(x)))
 
         xf = wide(x)
-        a = invariant.linear(xf, wide(self.wkv.weight))
-        z = invariant.linear(xf, wide(self.wgate.weight))
-        if hasattr(self, "ape"):
-            z = z + wide(self.ape)[addr.phase(self.ratio)]
-        hist, valid = ctx.cache.history(self.name, layer, torch.cat([a, z], dim=-1), self.depth, ctx.batch,
-                                        groups.rows)
+        packed = self._fused_pack() if invariant.is_on() else None
+        if packed is not None and xf.dtype == packed.act_dtype:
+            # [a | z] in one call: each output is the fixed-order kernel's sum over K alone, so the
+            # same bits as the two products
+            az = kernels.linear_checked(xf, packed)
+            if hasattr(self, "ape"):
+                az[:, self.coff * self.dim:] += wide(self.ape)[addr.phase(self.ratio)]
+        else:
+            a = invariant.linear(xf, wide(self.wkv.weight))
+            z = invariant.linear(xf, wide(self.wgate.weight))
+            if hasattr(self, "ape"):
+                z = z + wide(self.ape)[addr.phase(self.ratio)]
+            az = torch.cat([a, z], dim=-1)
+        hist, valid = ctx.cache.history(self.name, layer, az, self.depth, ctx.batch, groups.rows)
         # the same bits in one call for dims that are a multiple of 64 (the released 128 / 512 and
         # 64 / 128): for narrower or odd rows torch's softmax / sum take other loops (scalar tails,
         # another reduction order; measured there: not even row-invariant), so they keep the torch code
