@@ -10,6 +10,7 @@
 #include <string.h>
 #include <vector>
 #include "attn.h"
+#include "lanes8.h"
 
 extern "C" __m256 Sleef_expf8_u10(__m256);
 
@@ -26,30 +27,6 @@ inline void to_f32(const uint8_t* p, int bf16, int64_t d, float* out) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
     _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
   }
-}
-
-inline __m256 load8(const uint8_t* p, int bf16, int64_t i) {  // 8 values of a key row as fp32
-  if (bf16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
-}
-
-inline float hsum8(__m256 v) {  // (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7)), as decode.cpp
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
-}
-
-// Round to nearest even (NaN -> quiet NaN), as c10's float -> bfloat16 conversion.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if (f != f) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 // The key rows of query row t, in attention order (null = invalid key).

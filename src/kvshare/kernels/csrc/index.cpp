@@ -8,24 +8,10 @@
 #include <algorithm>
 #include <vector>
 #include "index.h"
+#include "lanes8.h"
 
 namespace kvshare_kernels {
 namespace {
-
-inline __m256 load_key8(const uint8_t* p, int bf16, int64_t i) {
-  if (bf16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
-}
-
-inline float hsum8(__m256 v) {  // (l0 + l4) + (l2 + l6) + ((l1 + l5) + (l3 + l7))
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-  return _mm_cvtss_f32(s1);
-}
 
 const uint8_t* key_of(const IndexKeys& c, int64_t t, int64_t j) {
   const int64_t s = c.seq[t];
@@ -55,7 +41,7 @@ void index_topk(const float* q, const float* w, int64_t H, int64_t d, const Inde
       for (int64_t h = 0; h < H; ++h) {
         __m256 dot = _mm256_setzero_ps();
         for (int64_t v = 0; v < nv; ++v)
-          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qt + h * d + v * 8), load_key8(kp, keys.bf16, v * 8), dot);
+          dot = _mm256_fmadd_ps(_mm256_loadu_ps(qt + h * d + v * 8), load8(kp, keys.bf16, v * 8), dot);
         const float r = hsum8(dot);
         s += wt[h] * (r > 0.0f ? r : 0.0f);
       }
