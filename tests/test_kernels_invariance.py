@@ -10,8 +10,9 @@ from kernel_data import e4m3_codes, fp4_pairs, pow2_scales
 from kvshare import kernels
 
 ISAS = kernels.supported_isas()
-ROW_COUNTS = (1, 2, 7, 8, 20, 33, 300)  # 300: a prefill-sized call (more than one 64-row super tile);
-# 20: AMX computes one 16-row tile for calls of at most 16 rows, both for 17-32 rows
+ROW_COUNTS = (1, 2, 7, 8, 16, 20, 32, 33, 300)  # 300: a prefill-sized call (more than one 64-row super tile);
+# 16 / 20: AMX computes one 16-row tile for calls of at most 16 rows, both for 17-32 rows; 32 / 33:
+# AMX decodes FP8 / FP4 as the tile walks K up to 32 rows, per group (and walks K in chunks) above
 
 
 def _packs(gen: torch.Generator) -> list[kernels.Packed]:

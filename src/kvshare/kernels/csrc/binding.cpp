@@ -55,19 +55,17 @@ static torch::Tensor gemm(torch::Tensor x, torch::Tensor w, torch::Tensor exps, 
   // never of the row count); other weights take the AVX-512 path.
   const bool amx = isa == "amx" && !f32 && kp % 32 == 0 && (fmt == kk::FMT_BF16 || bk % 32 == 0);
   torch::Tensor xin;
-  if (f32) {
+  if (f32 || kp == k) {  // used in place (gemm_amx pads a last partial row tile itself)
     xin = x.contiguous();
-  } else {  // padded copy written here, not by torch ops (a decode step makes ~130 of these calls)
-    const int64_t rows = amx ? (m + 31) / 32 * 32 : m;
-    xin = torch::empty({rows, kp}, x.options());
+  } else {  // odd K: a copy padded to KP written here, not by torch ops (a decode step makes ~130 of these calls)
+    xin = torch::empty({m, kp}, x.options());
     const auto xc = x.contiguous();
     const auto* src = static_cast<const uint16_t*>(xc.data_ptr());
     auto* dst = static_cast<uint16_t*>(xin.data_ptr());
     for (int64_t r = 0; r < m; ++r) {
       memcpy(dst + r * kp, src + r * k, sizeof(uint16_t) * k);
-      if (kp > k) memset(dst + r * kp + k, 0, sizeof(uint16_t) * (kp - k));
+      memset(dst + r * kp + k, 0, sizeof(uint16_t) * (kp - k));
     }
-    if (rows > m) memset(dst + m * kp, 0, sizeof(uint16_t) * (rows - m) * kp);
   }
   auto y = torch::empty({m, n}, x.options().dtype(out_f32 ? torch::kFloat32 : x.scalar_type()));
   if (m == 0 || n == 0) return y;

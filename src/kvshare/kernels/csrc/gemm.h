@@ -26,9 +26,22 @@ struct GemmArgs {
   int out_f32;
 };
 
+// Software prefetch along the weight stream of a thread's groups [nb, nb1): the tile that walks the
+// G groups nb .. nb + G - 1 in lockstep reads each group's pairs in increasing p, and the stream
+// of tile lane g continues in group nb + g + G, so `ahead` pairs past pair p of group nb + g lie
+// in group nb + g + G * ((p + ahead) / P). Prefetches `lines` cache lines (64 bytes) there.
+static inline void prefetch_stream(const GemmArgs& a, int64_t pair_bytes, int64_t group, int G, int64_t p,
+                                   int64_t ahead, int64_t lines) {
+  const int64_t P = a.KP / 2, q = p + ahead;
+  const int64_t g = group + G * (q / P);
+  if (g >= a.nb1) return;
+  const char* at = static_cast<const char*>(a.w) + (g * P + q % P) * pair_bytes;
+  for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(at + 64 * l, 0, 3);
+}
+
 void gemm_avx512(const GemmArgs* a);
 void gemm_avx2(const GemmArgs* a);
-// AMX (gemm_amx.cpp): x padded to a multiple of 32 rows; needs KP % 32 == 0 and, scaled, bk % 32 == 0.
+// AMX (gemm_amx.cpp): x [M][KP] (rows past M, if any, are not read); needs KP % 32 == 0 and, scaled, bk % 32 == 0.
 void gemm_amx(const GemmArgs* a);
 bool amx_enable();
 

@@ -22,10 +22,10 @@ static inline float exp2_byte(uint8_t e) {
 }
 
 constexpr int NR = 2;     // 16-lane output groups per tile
-constexpr int MS = 64;
-constexpr int MAX_BLOCK = 256;  // largest scale block along K    // rows whose totals are kept while a weight block is decoded once
+constexpr int MS = 64;           // rows whose totals are kept while a weight block is decoded once
+constexpr int MAX_BLOCK = 256;  // largest scale block along K
 
-constexpr int64_t PREFETCH_BLOCKS = 4;  // blocks ahead whose weight bytes are prefetched
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead each lane stream of weight bytes is prefetched
 
 // Bytes of one k pair of one 16-lane group in the packed weight.
 static inline int64_t pair_bytes(int fmt) { return fmt == FMT_FP8 ? 32 : (fmt == FMT_FP4 ? 16 : 64); }
@@ -34,15 +34,16 @@ static inline const uint8_t* group_pairs(const GemmArgs& a, int64_t nb, int64_t 
   return static_cast<const uint8_t*>(a.w) + (nb * (a.KP / 2) + p) * pair_bytes(a.fmt);
 }
 
-// The weights of pairs [p0, p0 + pb) of group nb as WP: bf16 is used in place; FP8 / FP4 are
-// decoded into dst (bf16 too where WP is not the packed pair layout, WP_IS_PACKED_BF16 false). The bytes PREFETCH_BLOCKS blocks ahead are prefetched (decode streams DRAM).
-static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int64_t p0, int64_t pb, WP* dst) {
-  const int64_t bytes = pb * pair_bytes(a.fmt);
-  const int64_t ahead = p0 + PREFETCH_BLOCKS * pb;
-  if (ahead < a.KP / 2) {
-    const uint8_t* pf = group_pairs(a, nb, ahead);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(pf + off, 0, 3);
-  }
+// The weights of pairs [p0, p0 + pb) of group nb (lane g of a tile of G groups) as WP: bf16 is
+// used in place; FP8 / FP4 are decoded into dst (bf16 too where WP is not the packed pair layout,
+// WP_IS_PACKED_BF16 false). The lane's weight stream is prefetched PREFETCH_BYTES ahead, across
+// group boundaries (gemm.h prefetch_stream), and the call's first block also its own bytes.
+static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int G, int64_t p0, int64_t pb, WP* dst) {
+  const int64_t bytes = pb * pair_bytes(a.fmt), lines = (bytes + 63) / 64;
+  const int64_t ahead = PREFETCH_BYTES / pair_bytes(a.fmt);
+  if (p0 == 0 && nb < a.nb0 + G)
+    for (int64_t q = 0; q < ahead; q += pb) prefetch_stream(a, pair_bytes(a.fmt), nb, G, 0, q, lines);
+  prefetch_stream(a, pair_bytes(a.fmt), nb, G, p0, ahead, lines);
   const uint8_t* src = group_pairs(a, nb, p0);
   if (a.fmt == FMT_BF16) {
     if (WP_IS_PACKED_BF16) return reinterpret_cast<const WP*>(src);
@@ -119,7 +120,7 @@ static void gemm_pairs(const GemmArgs& a) {
       for (int64_t p0 = 0, kb = 0; p0 < P; p0 += pb, ++kb) {
         const int64_t n_p = min64(pb, P - p0);
         for (int g = 0; g < g_count; ++g) {
-          wb[g] = block_weights(a, nb + g, p0, n_p, buf[g]);
+          wb[g] = block_weights(a, nb + g, g_count, p0, n_p, buf[g]);
           if (scaled) {
             const int64_t blocks = (a.KP + a.bk - 1) / a.bk;
             scale[g] = a.group_exps ? vbcast(exp2_byte(a.exps[(nb + g) * blocks + kb]))
