@@ -14,8 +14,10 @@ each scale block from zero and add block_sum * 2^e to the total; fp32 weights: p
 inputs one fma per k from zero, then total += block sum.
 Output = activation dtype (bf16: round-to-nearest-even of the fp32 total).
 
-Paths (`isa()`): "amx" (default where available: AMX-BF16 tiles of 32 rows, rows zero-padded, so
-row-invariant by construction; the order inside TDPBF16PS is the hardware's, so its bits differ
+Paths (`isa()`): "amx" (default where available: AMX-BF16 tiles of 32 rows, rows zero-padded,
+each output taking the same TDPBF16PS steps over K whatever the call (K chunks above 32 rows keep
+the totals in fp32 between them), so row-invariant by construction; FP8 / FP4 codes are scaled to
+bf16 before the tiles, exactly; the order inside TDPBF16PS is the hardware's, so its bits differ
 from "avx512" in the last place on inexact sums; weights whose K is not a multiple of 32 take the
 AVX-512 path). "avx512" (AVX-512 BF16) and "avx2" (AVX2 + FMA) give the same bits except where
 a bf16 product or partial sum is subnormal (``vdpbf16ps`` flushes those to zero); "torch"

@@ -147,12 +147,18 @@ constexpr int64_t F32_BLOCK = 32;
 
 template <int R, int G>
 static inline void micro_f32(const float* const* xr, int64_t K, const float* w, int64_t wstride, float* y,
-                             int64_t ldy, int64_t n0, int64_t N) {
+                             int64_t ldy, int64_t n0, int64_t N, const float* wend) {
   V acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = vzero();
   for (int64_t k0 = 0; k0 < K; k0 += F32_BLOCK) {
     const int64_t k1 = min64(K, k0 + F32_BLOCK);
+    // each group's weights PREFETCH_BYTES ahead (k's of 64 bytes), continuing in group g + G
+    for (int g = 0; g < G; ++g) {
+      const int64_t q = k0 + PREFETCH_BYTES / 64;
+      const float* at = q < K ? w + g * wstride + q * 16 : w + (g + G) * wstride + (q - K) * 16;
+      for (int64_t l = 0; l < F32_BLOCK && at + l * 16 < wend; ++l) __builtin_prefetch(at + l * 16, 0, 3);
+    }
     V blk[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) blk[r][g] = vzero();
@@ -181,6 +187,7 @@ template <int G>
 static void rows_f32(const GemmArgs& a, int64_t nb) {
   const float* x = static_cast<const float*>(a.x);
   const float* w = static_cast<const float*>(a.w) + nb * a.K * 16;
+  const float* wend = static_cast<const float*>(a.w) + a.nb1 * a.K * 16;  // this call's last weight byte + 1
   float* y = static_cast<float*>(a.y);
   const float* xr[MR];
   int64_t m = 0;
@@ -189,10 +196,10 @@ static void rows_f32(const GemmArgs& a, int64_t nb) {
     for (int64_t r = 0; r < rows; ++r) xr[r] = x + (m + r) * a.K;
     float* ym = y + m * a.N;
     switch (rows) {
-#define KV_TAIL(n) case n: micro_f32<n, G>(xr, a.K, w, a.K * 16, ym, a.N, nb * 16, a.N); break;
+#define KV_TAIL(n) case n: micro_f32<n, G>(xr, a.K, w, a.K * 16, ym, a.N, nb * 16, a.N, wend); break;
       KV_TAILS
 #undef KV_TAIL
-      default: micro_f32<MR, G>(xr, a.K, w, a.K * 16, ym, a.N, nb * 16, a.N); break;
+      default: micro_f32<MR, G>(xr, a.K, w, a.K * 16, ym, a.N, nb * 16, a.N, wend); break;
     }
   }
 }
