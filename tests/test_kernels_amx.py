@@ -97,3 +97,32 @@ def test_k_chunks_and_row_tiles_do_not_change_bits(fmt: str) -> None:
     for m in (33, 64, 100, 600):
         y = kernels.linear(x[600 - m:], p, isa="amx", fp32_totals=True)
         assert torch.equal(y, alone[600 - m:]), f"{fmt} rows {m}"
+
+
+def test_bf16_output_is_the_fp32_total_rounded_to_nearest_even() -> None:
+    """The tile epilogue (VCVTNE2PS2BF16 for rows of two whole 16-output groups, the integer
+    rounding otherwise and for NaN, subnormal or -0 totals): every non-NaN output's bits equal
+    torch's bf16 rounding of the fp32 total, and every NaN total gives the kernels' one quiet NaN
+    0x7fc0 (torch keeps the payload: 0xffff for AMX's inf - inf). N = 40: two whole groups, one
+    partial. Totals include NaN, +-inf and products of 2^-130. Observed: bitwise equal."""
+    gen = torch.Generator().manual_seed(24)
+    n, k = 40, 64
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    w[3, 5] = float("nan")
+    w[20, 0], w[20, 1] = float("inf"), float("-inf")  # inf - inf: NaN
+    w[7, 2] = float("inf")
+    w[33, :] = 2.0 ** -60  # with the tiny rows below: products of 2^-130 (fp32 subnormal)
+    w[1, :] = 2.0 ** -60
+    p = kernels.pack_bf16(w)
+    x = torch.randn(70, k, generator=gen).to(torch.bfloat16)
+    x[4] = 2.0 ** -70
+    x[40] = 2.0 ** -70
+    for m in (1, 8, 33, 70):
+        totals = kernels.linear(x[:m], p, isa="amx", fp32_totals=True)
+        y = kernels.linear(x[:m], p, isa="amx")
+        nan = totals.isnan()
+        assert torch.equal(y.isnan(), nan), f"rows {m}"
+        assert bool((y.view(torch.int16)[nan] == 0x7FC0).all()), f"rows {m}"
+        want = totals.to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(y.view(torch.int16)[~nan], want[~nan]), f"rows {m}"
+    assert totals.isnan().any() and totals.isinf().any()  # the specials really occur

@@ -201,10 +201,23 @@ static void tile_chunk(const GemmArgs& a, const RowTile& t, int64_t p_begin, int
   if (G == 2 && H == 2) _tile_stored(3, t.c + 16 * 32 + 16, 128);
 }
 
+// 32 totals -> bf16 with VCVTNE2PS2BF16 (round to nearest even, as store_bf16) unless one is a
+// NaN, a subnormal or -0 (the instruction quiets NaNs its own way and flushes subnormals):
+// false then, and the caller rounds them with store_bf16.
+static inline bool store_bf16_32(uint16_t* dst, const float* src) {
+  const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+  const int special = 0x01 | 0x80 | 0x20 | 0x04;  // fpclass: QNaN, SNaN, denormal, -0
+  if (_mm512_fpclass_ps_mask(lo, special) | _mm512_fpclass_ps_mask(hi, special)) return false;
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  return true;
+}
+
 // The finished totals of a row tile (t.c) into y, rounded to bf16 unless out_f32.
 static void store_tile(const GemmArgs& a, const RowTile& t, int64_t nb, int G) {
   const int64_t rows = min64(32, a.M - t.m0);
-  for (int64_t r = 0; r < rows; ++r)
+  const bool whole = !a.out_f32 && G == 2 && (nb + 2) * 16 <= a.N;  // two full 16-lane groups per row
+  for (int64_t r = 0; r < rows; ++r) {
+    if (whole && store_bf16_32(static_cast<uint16_t*>(a.y) + (t.m0 + r) * a.N + nb * 16, t.c + r * 32)) continue;
     for (int g = 0; g < G; ++g) {
       const int64_t n0 = (nb + g) * 16;
       const int n = static_cast<int>(min64(16, a.N - n0));
@@ -216,6 +229,7 @@ static void store_tile(const GemmArgs& a, const RowTile& t, int64_t nb, int G) {
         store_bf16(static_cast<uint16_t*>(a.y) + (t.m0 + r) * a.N + n0, c, n);
       }
     }
+  }
 }
 
 template <BSource SRC>
