@@ -97,9 +97,18 @@ static inline WP shift_nonzero(WP v, __m512i shift) {
 }
 
 // One pair of 16 lanes decoded and scaled (bf16 pairs, exact; see BlockScale).
-static inline WP decode_pair(const GemmArgs& a, const uint8_t* src, const BlockScale& s) {
-  const WP w = a.fmt == FMT_FP8 ? wp_fp8(src) : wp_fp4(src);
-  return s.fast ? shift_nonzero(w, s.shift) : scale_pairs(w, s.mul);
+template <int FMT, bool FAST>
+static inline void decode_run(const uint8_t* src, int64_t n, const BlockScale& s, WP* dst) {
+  for (int64_t p = 0; p < n; ++p) {
+    const WP w = FMT == FMT_FP8 ? wp_fp8(src + 32 * p) : wp_fp4(src + 16 * p);
+    dst[p] = FAST ? shift_nonzero(w, s.shift) : scale_pairs(w, s.mul);
+  }
+}
+
+// Pairs [0, n) of one block decoded and scaled into dst (the format and scale branch taken once).
+static inline void decode_pairs(const GemmArgs& a, const uint8_t* src, int64_t n, const BlockScale& s, WP* dst) {
+  if (a.fmt == FMT_FP8) s.fast ? decode_run<FMT_FP8, true>(src, n, s, dst) : decode_run<FMT_FP8, false>(src, n, s, dst);
+  else s.fast ? decode_run<FMT_FP4, true>(src, n, s, dst) : decode_run<FMT_FP4, false>(src, n, s, dst);
 }
 
 static inline int64_t pair_bytes(int fmt) { return fmt == FMT_FP8 ? 32 : (fmt == FMT_FP4 ? 16 : 64); }
@@ -116,10 +125,10 @@ static void decode_group(const GemmArgs& a, int64_t nb, WP* dst) {
   const int64_t step = pair_bytes(a.fmt);
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const BlockScale s = block_scale(a, nb, kb);
-    const int64_t p_end = min64(P, (kb + 1) * pairs_per_block);
-    for (int64_t p = kb * pairs_per_block; p < p_end; ++p) {
-      if ((p & 3) == 0 && p + 128 < P) __builtin_prefetch(src + (p + 128) * step, 0, 3);
-      dst[p] = decode_pair(a, src + step * p, s);
+    const int64_t p0 = kb * pairs_per_block, p_end = min64(P, p0 + pairs_per_block);
+    for (int64_t p = p0; p < p_end; p += 16) {  // 16 pairs (one or two lines per 4 pairs) at a time
+      for (int64_t q = p + 128; q < min64(p + 144, P); q += 64 / step) __builtin_prefetch(src + q * step, 0, 3);
+      decode_pairs(a, src + step * p, min64(16, p_end - p), s, dst + p);
     }
   }
 }
@@ -154,8 +163,17 @@ static void tile_chunk(const GemmArgs& a, const RowTile& t, int64_t p_begin, int
   const int64_t pb = pair_bytes(a.fmt), ahead = PF_BYTES / pb, lines = 16 * pb / 64;
   const uint16_t* x0 = t.x;
   const uint16_t* x1 = x0 + 16 * a.KP;
-  alignas(64) WP chunk[G][16];
+  alignas(64) WP chunk[2][G][16];  // B_CHUNK: step i's pairs in chunk[i & 1], decoded one step ahead
   BlockScale scale[G];
+  // Decodes the pairs of step p0 (B_CHUNK) into chunk[slot]. A tile load that reads vector stores
+  // made just before it waits for them; decoding a step ahead leaves a whole step in between.
+  auto decode_step = [&](int64_t p0, int slot) {
+    for (int g = 0; g < G; ++g) {
+      if ((2 * p0) % a.bk == 0 || p0 == p_begin) scale[g] = block_scale(a, nb + g, 2 * p0 / a.bk);
+      decode_pairs(a, group_pairs(a, nb + g, p0), 16, scale[g], chunk[slot][g]);
+    }
+  };
+  if (SRC == B_CHUNK) decode_step(p_begin, 0);
   if (p_begin == 0) {
     _tile_zero(0);
     _tile_zero(1);
@@ -174,16 +192,10 @@ static void tile_chunk(const GemmArgs& a, const RowTile& t, int64_t p_begin, int
     if (SRC != B_DECODED && stream)
       for (int g = 0; g < G; ++g) prefetch_stream(a, pb, nb + g, G, p0, ahead, lines);
     const uint8_t* b[G];
-    for (int g = 0; g < G; ++g) {
-      if (SRC == B_CHUNK) {
-        if ((2 * p0) % a.bk == 0 || p0 == p_begin) scale[g] = block_scale(a, nb + g, 2 * p0 / a.bk);
-        const uint8_t* src = group_pairs(a, nb + g, p0);
-        for (int p = 0; p < 16; ++p) chunk[g][p] = decode_pair(a, src + p * pb, scale[g]);
-        b[g] = reinterpret_cast<const uint8_t*>(chunk[g]);
-      } else {
-        b[g] = wsrc[g] + p0 * 64;
-      }
-    }
+    const int slot = static_cast<int>(((p0 - p_begin) >> 4) & 1);
+    if (SRC == B_CHUNK && p0 + 16 < p_end) decode_step(p0 + 16, slot ^ 1);
+    for (int g = 0; g < G; ++g)
+      b[g] = SRC == B_CHUNK ? reinterpret_cast<const uint8_t*>(chunk[slot][g]) : wsrc[g] + p0 * 64;
     _tile_loadd(4, x0 + 2 * p0, a.KP * 2);
     if (H == 2) _tile_loadd(5, x1 + 2 * p0, a.KP * 2);
     _tile_loadd(6, b[0], 64);
