@@ -96,7 +96,7 @@ static inline WP shift_nonzero(WP v, __m512i shift) {
   return _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7fff)), v, shift);
 }
 
-// One pair of 16 lanes decoded and scaled (bf16 pairs, exact; see BlockScale).
+// Pairs [0, n) of 16 lanes decoded and scaled (bf16 pairs, exact; see BlockScale), one format and scale path.
 template <int FMT, bool FAST>
 static inline void decode_run(const uint8_t* src, int64_t n, const BlockScale& s, WP* dst) {
   for (int64_t p = 0; p < n; ++p) {
