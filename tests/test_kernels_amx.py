@@ -126,3 +126,17 @@ def test_bf16_output_is_the_fp32_total_rounded_to_nearest_even() -> None:
         want = totals.to(torch.bfloat16).view(torch.int16)
         assert torch.equal(y.view(torch.int16)[~nan], want[~nan]), f"rows {m}"
     assert totals.isnan().any() and totals.isinf().any()  # the specials really occur
+
+
+def test_large_outputs_written_non_temporally_keep_their_bits() -> None:
+    """An output of >= 2 MiB (600 x 1800 bf16: 2.16 MB) takes the non-temporal stores: every value
+    equals the fp32 total rounded by torch, and rows computed alone (small outputs: ordinary
+    stores) match. Observed: bitwise equal."""
+    gen = torch.Generator().manual_seed(25)
+    p = kernels.pack_bf16(torch.randn(1800, 256, generator=gen) * 0.05)
+    x = torch.randn(600, 256, generator=gen).to(torch.bfloat16)
+    y = kernels.linear(x, p, isa="amx")
+    assert y.numel() * 2 >= 2 << 20
+    assert torch.equal(y, kernels.linear(x, p, isa="amx", fp32_totals=True).to(torch.bfloat16))
+    for i in (0, 299, 599):
+        assert torch.equal(y[i:i + 1], kernels.linear(x[i:i + 1], p, isa="amx"))
