@@ -179,7 +179,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
   char* op = static_cast<char*>(out.data_ptr());
   int64_t max_i = 0;
   for (int64_t e = 0; e <= E; ++e) max_i = std::max(max_i, lin[3 * e].n);
-  const int64_t rows_max = path == Path::AMX ? (m_max + 31) / 32 * 32 : m_max;
+  const int64_t rows_max = m_max;
   auto xstage = torch::empty({rows_max * (bf16 ? D + D % 2 : D)}, x.options());
   auto hstage = torch::empty({rows_max * (bf16 ? max_i + max_i % 2 : max_i)}, x.options());
   auto gate = torch::empty({m_max * max_i}, x.options());
@@ -193,7 +193,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
     const Lin& w3 = lin[3 * e + 1];
     const Lin& w2 = lin[3 * e + 2];
     const int64_t I = w1.n;
-    const int64_t rows_x = (uses_amx(w1, path) || uses_amx(w3, path)) ? (m + 31) / 32 * 32 : m;
+    const int64_t rows_x = m;  // gemm_amx pads a last partial row tile itself (gemm.h)
     const int64_t kpx = bf16 ? w1.kp : D;
     char* xst = static_cast<char*>(xstage.data_ptr());
     if (shared) stage_rows(xs, D, kpx, es, m, rows_x, [](int64_t i) { return i; }, xst);
@@ -208,7 +208,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
       hidden = quant(hidden, h_block);
     }
     const int64_t kph = bf16 ? w2.kp : I;
-    const int64_t rows_h = uses_amx(w2, path) ? (m + 31) / 32 * 32 : m;
+    const int64_t rows_h = m;
     const void* h2 = hidden.data_ptr();
     if (kph != I || rows_h != m) {
       char* hst = static_cast<char*>(hstage.data_ptr());
