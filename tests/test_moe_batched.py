@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,8 +23,9 @@ from kvshare.precision import wide
 from test_model_common import get_config
 
 
-def _moe(dtype: torch.dtype, act: bool, seed: int = 0) -> MoE:
-    cfg = get_config("tiny-v41")
+def _moe(dtype: torch.dtype, act: bool, k: int = 2, seed: int = 0) -> MoE:
+    """tiny-v41's layer-0 MoE with `k` experts per token and random weights (also test_moe_native's)."""
+    cfg = dataclasses.replace(get_config("tiny-v41"), num_experts_per_tok=k)
     moe = MoE(cfg, 0, QuantMode(False, False, act))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

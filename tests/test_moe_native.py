@@ -39,14 +39,7 @@ pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels una
 ROWS = (1, 2, 7, 33, 300)
 
 
-def _moe(dtype: torch.dtype, act: bool, k: int = 2, seed: int = 0) -> MoE:
-    cfg = dataclasses.replace(get_config("tiny-v41"), num_experts_per_tok=k)
-    moe = MoE(cfg, 0, QuantMode(False, False, act))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
-    return moe.to(dtype).eval()
+_moe = test_moe_batched._moe
 
 
 class _Spy:
