@@ -85,19 +85,25 @@ def packed_formats_lossless(model: Transformer) -> bool:
     return bool((win.unpack(win.pack(w)) == w).all() and (kv.unpack(kv.pack(c)) == c).all())
 
 
-def run_engine(model, prompts, **kw) -> tuple[dict[str, list[int]], dict[tuple[str, int], torch.Tensor], LLMEngine]:
-    eng = LLMEngine(model, **kw)
-    captured: dict[tuple[str, int], torch.Tensor] = {}
+def spy_logits(eng: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
+    """A dict the engine's runner fills with every sampled logits row, keyed (request id, tokens so far)."""
+    rows: dict[tuple[str, int], torch.Tensor] = {}
     run = eng.runner.run
 
     def spy(chunks):
         logits, sampling = run(chunks)
         for row, i in enumerate(sampling):
             s = chunks[i].seq
-            captured[(s.request_id, len(s.output_token_ids))] = logits[row].clone()
+            rows[(s.request_id, len(s.output_token_ids))] = logits[row].clone()
         return logits, sampling
 
     eng.runner.run = spy
+    return rows
+
+
+def run_engine(model, prompts, **kw) -> tuple[dict[str, list[int]], dict[tuple[str, int], torch.Tensor], LLMEngine]:
+    eng = LLMEngine(model, **kw)
+    captured = spy_logits(eng)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     done: dict[str, list[int]] = {}

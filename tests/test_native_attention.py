@@ -27,6 +27,7 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
+from test_engine_exact import spy_logits
 from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import paged_attention
@@ -204,22 +205,6 @@ def test_bad_addresses_are_refused_with_the_field() -> None:
         paged_attention(*args, c["meta"], 12, c["sink"], 0.1)
 
 
-def _spy_logits(eng: LLMEngine) -> dict:
-    """A dict the engine's runner fills with every sampled logits row, keyed (request id, tokens so far)."""
-    rows = {}
-    run = eng.runner.run
-
-    def spy(chunks):
-        logits, sampling = run(chunks)
-        for row, i in enumerate(sampling):
-            s = chunks[i].seq
-            rows[(s.request_id, len(s.output_token_ids))] = logits[row].clone()
-        return logits, sampling
-
-    eng.runner.run = spy
-    return rows
-
-
 def _serve(name: str, dtype: torch.dtype, in_place: bool, monkeypatch: pytest.MonkeyPatch):
     """Greedy tokens and every sampled logits row of a paged engine (plain bf16 / fp32 cache rows,
     chunked prefill, batched decode past the window ring's wrap), with the in-place attention on or
@@ -236,7 +221,7 @@ def _serve(name: str, dtype: torch.dtype, in_place: bool, monkeypatch: pytest.Mo
     monkeypatch.setattr(Attention, "_attend_in_place", counted)
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1],
                     block_size=128 if name == "tiny-v4" else 16, num_blocks=12 if name == "tiny-v4" else 40, max_num_seqs=4, max_num_batched_tokens=19)
-    rows = _spy_logits(eng)
+    rows = spy_logits(eng)
     rng = random.Random(4)
     for i, n in enumerate((37, 5, 23, 140)):  # 140: the HCA layer of tiny-v4 gets an entry
         eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
@@ -274,7 +259,7 @@ def _topk_config(name: str, k: int):
 def _generate(model: Transformer, prompts: list[list[int]], n: int, **kw):
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype="bfloat16", max_num_seqs=4,
                     max_num_batched_tokens=23, **kw)
-    rows = _spy_logits(eng)
+    rows = spy_logits(eng)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     with torch.inference_mode():
