@@ -9,6 +9,9 @@ byte value on the unpack side.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -89,17 +92,21 @@ def test_formats_use_the_native_codec_with_the_same_results(monkeypatch: pytest.
     assert calls == ["pack", "unpack"]
 
 
-def _torch_pack(fmt: formats.RowFormat, x: torch.Tensor) -> torch.Tensor:
+@contextmanager
+def _torch_path() -> Iterator[None]:
+    """The torch reference code of formats / quant (the native kernels switched off)."""
     rows.native.set_enabled(False)
     try:
-        return fmt.pack(x)
+        yield
     finally:
         rows.native.set_enabled(None)
+
+
+def _torch_pack(fmt: formats.RowFormat, x: torch.Tensor) -> torch.Tensor:
+    with _torch_path():
+        return fmt.pack(x)
 
 
 def _torch_unpack(fmt: formats.RowFormat, u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    rows.native.set_enabled(False)
-    try:
+    with _torch_path():
         return fmt.unpack(u8, dtype)
-    finally:
-        rows.native.set_enabled(None)

@@ -102,11 +102,8 @@ def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     the outer answer on exit.
     """
     prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None))
-    if torch.is_grad_enabled():
-        _scope.serves = _scope.attention = None
-    else:
-        _scope.serves = None  # so that attention_enabled() below asks enabled(), not the scope
-        _scope.attention = None
+    _scope.serves = _scope.attention = None  # (so attention_enabled() below asks the switches)
+    if not torch.is_grad_enabled():
         on = enabled() and device.type == "cpu" and dtype in _FLOATS
         _scope.serves, _scope.attention = on, on and attention_enabled()
     try:

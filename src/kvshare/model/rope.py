@@ -70,17 +70,13 @@ class RotaryEmbedding(nn.Module):
         self._tables: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def _freqs_for(self, x: torch.Tensor) -> torch.Tensor:
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        key = (x.device, dt)
+        return self._freqs_at((x.device, torch.float64 if x.dtype == torch.float64 else torch.float32))
+
+    def _freqs_at(self, key: tuple[torch.device, torch.dtype]) -> torch.Tensor:
+        """The frequencies on device key[0] in dtype key[1] (made once per key)."""
         f = self._freqs.get(key)
         if f is None:
-            f = self._freqs[key] = self.freqs64.to(device=x.device, dtype=dt)
-        return f
-
-    def _freqs_cpu32(self) -> torch.Tensor:
-        f = self._freqs.get(_CPU32)
-        if f is None:
-            f = self._freqs[_CPU32] = self.freqs64.to(dtype=torch.float32)
+            f = self._freqs[key] = self.freqs64.to(device=key[0], dtype=key[1])
         return f
 
     def pair_tables(self, positions: torch.Tensor, freqs: torch.Tensor
@@ -114,7 +110,7 @@ class RotaryEmbedding(nn.Module):
             # the same bits in one call (kernels/decode.py), in every mode: each product and the sum
             # are correctly rounded, so no vector / scalar split can change them. `serves` means x is
             # bf16 / fp32 on the CPU: the working dtype is fp32, the [P, rd] tables the kernel's layout
-            c, s, s_neg = self.pair_tables(positions, self._freqs_cpu32())
+            c, s, s_neg = self.pair_tables(positions, self._freqs_at(_CPU32))
             return native.rope(x, c, s_neg if inverse else s, inplace)
         freqs = self._freqs_for(x)
         c, s, s_neg = self.pair_tables(positions, freqs)
