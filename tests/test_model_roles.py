@@ -32,6 +32,10 @@ class RecordingCache:
         self.log.append(("history", name, layer, {"depth": depth}))
         return self.inner.history(name, layer, values, depth, batch, rows)
 
+    def remember(self, name, layer, values, depth, batch):
+        self.log.append(("remember", name, layer, {"depth": depth}))
+        return self.inner.remember(name, layer, values, depth, batch)
+
     def write_rows(self, kind, layer, seq, index, values, batch):
         self.log.append(("write_rows", kind, layer, {"index": index.clone()}))
         return self.inner.write_rows(kind, layer, seq, index, values, batch)

@@ -190,14 +190,17 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     """Every exact kernel on (the native attention off): the torch path's logits, bit for bit."""
     model, prompts = _model_and_prompts(name, dtype, n_seq)
     ref = _logits(model, prompts, 4, on=False)
-    calls, pools, moe = [], [], []
-    real, real_pool, real_moe = native.mhc_expand, native.compress_pool, native_moe.experts
+    calls, pools, moe, proj = [], [], [], []
+    real, real_pool, real_moe, real_proj = native.mhc_expand, native.compress_pool, native_moe.experts, native.project_wide
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
     monkeypatch.setattr(native_moe, "experts", lambda *a: moe.append(1) or real_moe(*a))
+    monkeypatch.setattr(native, "project_wide", lambda *a: proj.append(len(a) > 2 and a[2] is not None) or real_proj(*a))
     got = _logits(model, prompts, 4, on=True)
     assert len(calls) == 5 * 2 * model.cfg.num_hidden_layers  # the kernels ran: every sublayer of every step
     assert len(moe) == 5 * model.cfg.num_hidden_layers  # the one-call experts (kernels/moe.py) in every MoE
+    # the compressors' fp32 projections (and fp32 gates') in one call each (V4's compressors with their APE)
+    assert proj and any(proj) == (model.cfg.arch == "v4")
     assert bool(pools) == name.endswith("/64")  # the compressor pooling where its dims allow
     for step, (a, b) in enumerate(zip(got, ref)):
         assert torch.equal(a, b), step

@@ -215,6 +215,12 @@ class CacheBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, depth, w] oldest first, [R, depth] bool)
         ...
 
+    def remember(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch) -> None:
+        """`history`'s ring update without its read: a step none of whose rows needs a history
+        (a compressor's step that completes no group) still keeps `values` for later steps; the
+        ring ends the step holding what `history` would have left."""
+        ...
+
     def write_rows(
         self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor, values: torch.Tensor, batch: StepBatch
     ) -> None:

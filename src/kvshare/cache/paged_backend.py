@@ -58,7 +58,8 @@ class PagedBackend:
         for r in self.pool.topo.ratios_in_use:
             groups, prefix = addresses.groups(r), addresses.prefix(r)
             if tables is not None:
-                addresses.compressed_address(groups, tables, self.block_size)
+                if groups.count:  # (a decode step mostly completes no group: nothing to address)
+                    addresses.compressed_address(groups, tables, self.block_size)
                 addresses.block_span(prefix, tables, self.block_size)
         for rows in sorted({t.shape[1] for t in self.pool.rings.values()}):
             addresses.ring_write(rows)
@@ -99,6 +100,11 @@ class PagedBackend:
         out = ring.window(read, values)
         self._defer(name, layer, ring, values, batch)
         return out, read.valid
+
+    def remember(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch) -> None:
+        """`history`'s deferred ring update alone (no read)."""
+        self._bound(batch)
+        self._defer(name, layer, self.pool.ring(name, layer, depth, values.shape[-1]), values, batch)
 
     def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int,
                     batch: StepBatch) -> WindowKeys | None:

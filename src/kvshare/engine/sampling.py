@@ -185,8 +185,11 @@ class Sampler:
         masks = self.masks_for(request_ids) if self.masks_for is not None else None
         logits = apply_processors(raw, params, out_lens, self.eos_ids, masks)
         logits = self._penalised(logits, params, request_ids, histories)
-        tokens = logits.argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if p.temperature > 0]
+        if logits is raw and not rand:  # greedy on the raw logits: the max is the chosen token's logit
+            best, tokens = raw.max(dim=-1)  # (first index of the max, as argmax)
+            return tokens, best - raw.logsumexp(dim=-1)
+        tokens = logits.argmax(dim=-1)
         if rand:
             idx = torch.tensor(rand, dtype=torch.int64, device=dev)
             rp = [params[i] for i in rand]

@@ -37,6 +37,11 @@ replace stays the reference and the fallback:
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
 
+* `project_wide`: an fp32 projection of bf16 / fp32 rows (`kernels.linear` on an fp32 pack after the
+  exact widening, the same bits) with an optional per-position table row added to some columns
+  (a V4 compressor's APE; one rounded fp32 add per element, the bits of the torch add): one call
+  where the torch code takes the widening, the product and four indexing / add ops.
+
 `enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
 ``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
 callers then run the torch code. ``KVSHARE_NATIVE_ATTENTION=off`` keeps the other kernels and runs
@@ -48,11 +53,14 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from kvshare.kernels.build import best_isa, library
+
+if TYPE_CHECKING:
+    from kvshare.kernels.packed import Packed
 
 _SWITCH: dict[str, bool | None] = {"on": None, "attention": None}
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -163,6 +171,16 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> to
     """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
     fp32, contiguous (`RotaryEmbedding.pair_tables` builds them so); overwrites x when `inplace`."""
     return _lib().rope(x, c, s, inplace)
+
+
+def project_wide(x: torch.Tensor, packed: "Packed", table: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+    """[M, N] fp32 = ``wide(x) @ W^T`` for x [M, K] bf16 / fp32 and an fp32 `packed` weight (the bits of
+    `kernels.linear` on ``wide(x)``); with `table` [R, C] fp32, row m then has ``table[positions[m] % R]``
+    added to columns [offset, offset + C)."""
+    if packed.fmt != "fp32":
+        raise ValueError(f"kernels.project_wide: the weight must be an fp32 pack, got {packed.fmt}")
+    return _lib().project_wide(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), table, positions, offset)
 
 
 def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,

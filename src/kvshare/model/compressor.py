@@ -81,6 +81,7 @@ class Compressor(nn.Module):
             self.wgate = plain_linear(hidden, self.coff * dim)
         self._fused: tuple[tuple, "kernels.Packed"] | None = None  # see `_fused_pack`
         self.norm = RMSNorm(dim, eps)
+        self.has_ape = ape
         if ape:
             self.ape = nn.Parameter(torch.zeros(ratio, self.coff * dim))
 
@@ -107,20 +108,26 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return Emitted(groups, self.norm(self.wkv(x)))
 
-        xf = wide(x)
         packed = self._fused_pack() if invariant.is_on() else None
-        if packed is not None and xf.dtype == packed.act_dtype:
-            # [a | z] in one call: each output is the fixed-order kernel's sum over K alone, so the
-            # same bits as the two products
-            az = kernels.linear_checked(xf, packed)
-            if hasattr(self, "ape"):
-                az[:, self.coff * self.dim:] += wide(self.ape)[addr.phase(self.ratio)]
+        ape = wide(self.ape) if self.has_ape else None
+        if packed is not None and packed.fmt == "fp32" and native.serves(x):
+            # [a | z] and the APE in one call: each output is the fixed-order kernel's sum over K
+            # alone (the same bits as the two products), the APE one rounded add
+            az = native.project_wide(x, packed, ape, ctx.positions, self.coff * self.dim)
+        elif packed is not None and wide(x).dtype == packed.act_dtype:
+            az = kernels.linear_checked(wide(x), packed)
+            if ape is not None:
+                az[:, self.coff * self.dim:] += ape[addr.phase(self.ratio)]
         else:
+            xf = wide(x)
             a = invariant.linear(xf, wide(self.wkv.weight))
             z = invariant.linear(xf, wide(self.wgate.weight))
-            if hasattr(self, "ape"):
-                z = z + wide(self.ape)[addr.phase(self.ratio)]
+            if ape is not None:
+                z = z + ape[addr.phase(self.ratio)]
             az = torch.cat([a, z], dim=-1)
+        if groups.count == 0:  # no group completes (most decode steps): only the ring keeps az
+            ctx.cache.remember(self.name, layer, az, self.depth, ctx.batch)
+            return Emitted(groups, x.new_empty(0, self.dim))
         hist, valid = ctx.cache.history(self.name, layer, az, self.depth, ctx.batch, groups.rows)
         # the same bits in one call for dims that are a multiple of 64 (the released 128 / 512 and
         # 64 / 128): for narrower or odd rows torch's softmax / sum take other loops (scalar tails,

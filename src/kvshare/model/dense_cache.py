@@ -77,6 +77,11 @@ class DenseCache:
         ring.write(addr.ring_write(ring.rows), values.detach())
         return out, read.valid
 
+    def remember(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch) -> None:
+        """`history`'s ring update alone (no read)."""
+        ring = self._ring(name, layer, depth, values.shape[-1], values.dtype)
+        ring.write(batch.addresses().ring_write(ring.rows), values.detach())
+
     # ---- compressed rows -----------------------------------------------------------------
     def _table(self, kind: str, owner: int, width: int) -> torch.Tensor:
         key = (kind, owner)

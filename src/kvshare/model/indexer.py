@@ -63,15 +63,12 @@ class Indexer(nn.Module):
         """Compute this step's new index keys and store them (owners only; §3 step 2a)."""
         if not self.owns_keys:
             return
-        if self.cfg.arch == "v4":
-            new = self.compressor(x, ctx, self.layer)
-            keys = new.latent
-        else:
-            assert latent is not None, "a V4.1 index-K owner is always a kv source"
-            new = latent
-            keys = self.k_norm(self.wk(latent.latent))
+        v4 = self.cfg.arch == "v4"
+        new = self.compressor(x, ctx, self.layer) if v4 else latent
+        assert new is not None, "a V4.1 index-K owner is always a kv source"
         if new.count == 0:
             return
+        keys = new.latent if v4 else self.k_norm(self.wk(new.latent))
         keys = ctx.rope_compress.rotate(keys, new.positions)
         keys = self.quantizer.index(keys)
         ctx.cache.write_rows("index_k", self.layer, new.seq, new.j, keys, ctx.batch)

@@ -83,7 +83,11 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64)."""
         cfg = self.cfg
-        logits = matmul_t(wide(x), wide(self.weight))
+        packed = native_pack(self.weight) if invariant_on() and _native(x) else None
+        if packed is not None and packed.fmt == "fp32":  # wide(x) and the product in one call (same bits)
+            logits = native.project_wide(x, packed)
+        else:
+            logits = matmul_t(wide(x), wide(self.weight))
         if cfg.arch == "v41" and cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         if (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")

@@ -491,6 +491,41 @@ static torch::Tensor index_topk(torch::Tensor q, torch::Tensor w, torch::Tensor 
   return picks;
 }
 
+// ---- fp32 projections of bf16 / fp32 rows (compressors, the MoE gate): `gemm` on an fp32 pack ----
+// x [M, K] bf16 or fp32 is widened to fp32 (exact) and multiplied by the fp32 pack exactly as `gemm`
+// does; with `table` [R, C] fp32 and `positions` [M] int64, row m then gets table[positions[m] mod R]
+// added to its columns [offset, offset + C) (one correctly rounded fp32 add per element: the bits of
+// ``y[:, offset:offset + C] += table[positions % R]``).
+static torch::Tensor project_wide(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t n, int64_t k,
+                                  const std::string& isa, c10::optional<torch::Tensor> table,
+                                  c10::optional<torch::Tensor> positions, int64_t offset) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "kernels.project_wide: x must be bf16 or fp32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "kernels.project_wide: x must be [M, K], got ", x.sizes());
+  auto y = gemm(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32), w, exps, kk::FMT_FP32, n, k, k, 0,
+                isa, false);
+  if (!table.has_value()) return y;
+  TORCH_CHECK(positions.has_value(), "kernels.project_wide: a table needs positions");
+  const auto& tb = *table;
+  const auto& ps = *positions;
+  check_rows(tb, "table", torch::kFloat32);
+  TORCH_CHECK(tb.dim() == 2 && tb.size(0) >= 1 && offset >= 0 && offset + tb.size(1) <= n,
+              "kernels.project_wide: table ", tb.sizes(), " at column ", offset, " does not fit ", n, " outputs");
+  TORCH_CHECK(ps.scalar_type() == torch::kInt64 && ps.dim() == 1 && ps.size(0) == x.size(0) && ps.is_contiguous(),
+              "kernels.project_wide: positions must be [M] int64");
+  const int64_t m = x.size(0), rows = tb.size(0), c = tb.size(1);
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  const float* tp = tb.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    TORCH_CHECK(pp[r] >= 0, "kernels.project_wide: row ", r, " has position ", pp[r]);
+    const float* add = tp + (pp[r] % rows) * c;
+    float* out = yp + r * n + offset;
+    for (int64_t j = 0; j < c; ++j) out[j] += add[j];
+  }
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -513,4 +548,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");
   mod.def("paged_attention", &paged_attention, "sparse attention with a sink over keys read in place (attn.h)");
   mod.def("index_topk", &index_topk, "lightning-indexer scores and stable top-k over keys read in place (index.h)");
+  mod.def("project_wide", &project_wide, "fp32 projection of bf16 / fp32 rows with an optional per-position row added");
 }
