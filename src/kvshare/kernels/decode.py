@@ -37,6 +37,9 @@ replace stays the reference and the fallback:
   rounded, summed from 0 in stream order; expand: an fma chain over streams from 0, as torch's
   batched product does, plus the rounded ``post * y``).
 
+* `moe_gate`: a MoE layer's gate in one call (`project_wide`, the division by the V4.1 temperature,
+  `moe_route`, the normalisation by the weights' left-to-right sum, the routed scaling): the bits of
+  `Gate.forward`'s torch code, which sums the k weights in the same order.
 * `project_wide`: an fp32 projection of bf16 / fp32 rows (`kernels.linear` on an fp32 pack after the
   exact widening, the same bits) with an optional per-position table row added to some columns
   (a V4 compressor's APE; one rounded fp32 add per element, the bits of the torch add): one call
@@ -181,6 +184,18 @@ def project_wide(x: torch.Tensor, packed: "Packed", table: torch.Tensor | None =
     if packed.fmt != "fp32":
         raise ValueError(f"kernels.project_wide: the weight must be an fp32 pack, got {packed.fmt}")
     return _lib().project_wide(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), table, positions, offset)
+
+
+def moe_gate(x: torch.Tensor, packed: "Packed", bias: torch.Tensor | None, k: int, func: str, temp: float,
+             normalize: bool, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k] int64): `project_wide(x, packed)` logits (divided by `temp`
+    unless 1), `moe_route`'s scores and picks, each row's weights divided by their left-to-right sum
+    + 1e-20 (`normalize`), times `factor`: `model/moe.Gate.forward`'s torch code, the same bits."""
+    if packed.fmt != "fp32":
+        raise ValueError(f"kernels.moe_gate: the gate weight must be an fp32 pack, got {packed.fmt}")
+    w, ids = _lib().moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func, temp,
+                             normalize, factor)
+    return w, ids
 
 
 def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,

@@ -45,6 +45,15 @@ def _native(*tensors: torch.Tensor) -> bool:
     return invariant_on() and native.serves(*tensors)
 
 
+def _sum_in_order(w: torch.Tensor) -> torch.Tensor:
+    """[T, 1]: each row of w [T, k] summed from its first column to its last (a fixed order, which
+    the native gate keeps too; torch's own sum over a row of 5 or more may pair the terms)."""
+    s = w[:, :1]
+    for j in range(1, w.shape[1]):
+        s = s + w[:, j:j + 1]
+    return s
+
+
 class Expert(nn.Module):
     """One SwiGLU expert with clamped gate/up (FP8/FP4 weights: inputs act-quantised)."""
 
@@ -83,22 +92,23 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, expert ids [T, k] int64)."""
         cfg = self.cfg
-        packed = native_pack(self.weight) if invariant_on() and _native(x) else None
-        if packed is not None and packed.fmt == "fp32":  # wide(x) and the product in one call (same bits)
-            logits = native.project_wide(x, packed)
-        else:
-            logits = matmul_t(wide(x), wide(self.weight))
-        if cfg.arch == "v41" and cfg.gate_temp != 1.0:
-            logits = logits / cfg.gate_temp
-        if (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")
-                and logits.dtype == torch.float32 and self.bias.dtype == torch.float32
-                and _native(logits)):  # the same bits and picks in one call
-            weights, ids = native.moe_route(logits, self.bias, cfg.num_experts_per_tok, cfg.scoring_func)
+        k = cfg.num_experts_per_tok
+        temp = cfg.gate_temp if cfg.arch == "v41" else 1.0
+        normalize = cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1)
+        native_route = (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")
+                        and self.bias.dtype == torch.float32 and _native(x))
+        packed = native_pack(self.weight) if native_route else None
+        if packed is not None and packed.fmt == "fp32":  # the whole gate in one call, the same bits
+            return native.moe_gate(x, packed, self.bias, k, cfg.scoring_func, temp, normalize, cfg.routed_scaling_factor)
+        logits = matmul_t(wide(x), wide(self.weight))
+        if temp != 1.0:
+            logits = logits / temp
+        if native_route and logits.dtype == torch.float32:  # the same bits and picks in one call
+            weights, ids = native.moe_route(logits, self.bias, k, cfg.scoring_func)
         else:
             weights, ids = self._route(logits, input_ids)
-        k = cfg.num_experts_per_tok
-        if cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1):
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if normalize:
+            weights = weights / (_sum_in_order(weights) + 1e-20)
         return weights * cfg.routed_scaling_factor, ids
 
 

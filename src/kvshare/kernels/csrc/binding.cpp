@@ -526,6 +526,32 @@ static torch::Tensor project_wide(torch::Tensor x, torch::Tensor w, torch::Tenso
   return y;
 }
 
+// ---- the MoE gate in one call (model/moe.py `Gate.forward`'s native path) ----
+// logits = project_wide(x, the fp32 gate pack), divided by `temp` unless it is 1; moe_route's scores
+// and stable top-k picks; with `normalize`, each row's k weights divided by (their sum from the first
+// pick to the last + 1e-20); then times `factor`. fp32 throughout, each op rounded as torch's.
+static std::vector<torch::Tensor> moe_gate(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t n, int64_t kdim,
+                                           const std::string& isa, c10::optional<torch::Tensor> bias, int64_t k,
+                                           const std::string& func, double temp, bool normalize, double factor) {
+  auto logits = project_wide(x, w, exps, n, kdim, isa, c10::nullopt, c10::nullopt, 0);
+  if (temp != 1.0) logits.div_(temp);  // a tensor by a wrapped scalar: fp32 division by (float)temp
+  auto routed = moe_route(logits, bias, k, func);
+  float* wp = routed[0].data_ptr<float>();
+  const int64_t t = logits.size(0);
+  const float f = static_cast<float>(factor);
+  for (int64_t r = 0; r < t; ++r) {
+    float* row = wp + r * k;
+    if (normalize) {
+      float sum = row[0];
+      for (int64_t j = 1; j < k; ++j) sum += row[j];
+      const float denom = sum + 1e-20f;
+      for (int64_t j = 0; j < k; ++j) row[j] /= denom;
+    }
+    for (int64_t j = 0; j < k; ++j) row[j] *= f;
+  }
+  return routed;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -549,4 +575,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("paged_attention", &paged_attention, "sparse attention with a sink over keys read in place (attn.h)");
   mod.def("index_topk", &index_topk, "lightning-indexer scores and stable top-k over keys read in place (index.h)");
   mod.def("project_wide", &project_wide, "fp32 projection of bf16 / fp32 rows with an optional per-position row added");
+  mod.def("moe_gate", &moe_gate, "a MoE layer's gate: fp32 logits, scores, stable top-k, normalised and scaled weights");
 }
