@@ -93,3 +93,45 @@ def test_writing_several_rings_at_once_stores_the_bytes_of_separate_writes() -> 
         ring.write(w, v)
     assert all(torch.equal(a.data, b.data) for a, b in zip(together, apart))
     assert all(int(a.data.count_nonzero()) > 0 for a in together)
+
+
+def test_plain_rings_of_mixed_widths_and_encodings_are_stored_natively_as_separate_writes() -> None:
+    """`write_all` over rings of one row count but mixed encodings (plain bf16 bytes in a uint8 ring,
+    plain fp32 values, a packed fp8 ring, a strided ring view): the native copy of the plain ones
+    (`kernels.rows.ring_store`) and the packing of the rest leave every ring as separate `Ring.write`s
+    would, byte for byte. Mutation caught: the copy addressing rows by ``row * cols`` without the
+    slot stride (the strided view's rows land in the wrong slot)."""
+    from kvshare.cache.rings import write_all
+    from kvshare.kernels import rows as native_rows
+
+    if not native_rows.serves(torch.zeros(1)):
+        pytest.skip("native kernels unavailable")
+    batch = StepBatch.build([3, 0], [2, 6], [1, 2])
+    w = batch.addresses().ring_write(6)
+    g = torch.Generator().manual_seed(1)
+    bf16 = row_format("window", "bf16", 32)
+
+    def rings() -> list[Ring]:
+        big = torch.zeros(3, 6, 2, 64, dtype=torch.uint8)  # a strided view: [:, :, 1] of a larger buffer
+        return [Ring(torch.zeros(3, 6, bf16.row_bytes, dtype=torch.uint8), bf16, 4, 32),
+                Ring(torch.zeros(3, 6, 48), None, 4, 48),
+                _ring(True),
+                Ring(big[:, :, 1], bf16, 4, 32)]
+
+    values = [torch.randn(8, 32, generator=g).bfloat16(), torch.randn(8, 48, generator=g),
+              torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g).bfloat16()]
+    together, apart = rings(), rings()
+    stored = []
+    real = native_rows.ring_store
+    native_rows.ring_store = lambda r, v, *a: stored.append(len(r)) or real(r, v, *a)
+    try:
+        write_all(together, w, values)
+    finally:
+        native_rows.ring_store = real
+    for ring, v in zip(apart, values):
+        ring.write(w, v)
+    assert stored == [3]  # the three plain rings in one call; the fp8 ring packed
+    assert all(torch.equal(a.data, b.data) for a, b in zip(together, apart))
+    assert all(int(a.data.count_nonzero()) > 0 for a in together)
+    with pytest.raises(RuntimeError, match="outside ring"):
+        native_rows.ring_store([together[0].data], [values[0]], w.tokens, w.slot + 5, w.ring_row)

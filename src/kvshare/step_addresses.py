@@ -220,10 +220,12 @@ class StepAddresses:
                 return Groups(1, torch.arange(self.num_tokens, device=self.device), b.seq_index, b.positions,
                               b.positions, self.num_tokens, last, int(self._starts.min()) if self.num_seqs else 0)
             rows = self._group_rows(ratio)
+            if not len(rows):  # (most decode steps): four views of one empty tensor
+                e = self._tensor(rows)
+                return Groups(ratio, e, e, e, e, 0, -1, 1 << 62)
             j = (self._pos[rows] + 1) // ratio - 1
             idx = self._tensor(np.stack([rows, self._seq[rows], j, j * ratio]))
-            return Groups(ratio, idx[0], idx[1], idx[2], idx[3], len(rows), int(j.max()) if len(rows) else -1,
-                          int(self._pos[rows].min()) if len(rows) else 1 << 62)
+            return Groups(ratio, idx[0], idx[1], idx[2], idx[3], len(rows), int(j.max()), int(self._pos[rows].min()))
         return self._cached(("groups", ratio), build)  # type: ignore[return-value]
 
     def phase(self, ratio: int) -> torch.Tensor:

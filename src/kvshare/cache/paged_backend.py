@@ -73,13 +73,13 @@ class PagedBackend:
         return addr
 
     def end_step(self) -> None:
-        """Apply the deferred ring updates of the current step (rings of one encoding and row count,
-        e.g. every backbone window, packed together)."""
+        """Apply the deferred ring updates of the current step, per ring row count (`write_all`: plain
+        rows of every ring copied in one native call, other rings of one encoding packed together)."""
         addr = self._addr
-        same: dict[tuple, list[tuple[Ring, torch.Tensor]]] = {}
+        same: dict[int, list[tuple[Ring, torch.Tensor]]] = {}
         for ring, values in self._pending:
-            same.setdefault((ring.fmt, ring.rows, ring.data.dtype), []).append((ring, values))
-        for (_, rows, _), items in same.items():
+            same.setdefault(ring.rows, []).append((ring, values))
+        for rows, items in same.items():
             assert addr is not None
             write_all([r for r, _ in items], addr.ring_write(rows), [v for _, v in items])
         self._pending.clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.cache.formats import RowFormat
+from kvshare.kernels import rows as native_rows
 from kvshare.step_addresses import RingRead, RingWrite
 
 
@@ -74,6 +75,16 @@ class Ring:
         rows = self.unpack(self.data[read.slot, read.ring_row], dtype)
         return rows if read.all_valid else rows.masked_fill(~read.valid[..., None], 0)
 
+    def stores_bytes_of(self, values: torch.Tensor) -> bool:
+        """Whether storing `values` [T, width] copies each row's bytes unchanged (a plain encoding in
+        the values' dtype, or plain values of the ring's dtype): `write_all` then copies them natively."""
+        if values.dim() != 2 or not values.is_contiguous():
+            return False
+        if self.fmt is None:
+            return self.data.dtype == values.dtype
+        return (self.fmt.plain_dtype == values.dtype and self.data.dtype == torch.uint8
+                and self.data.shape[2] == values.shape[1] * values.element_size())
+
     # ---- writes ------------------------------------------------------------------------------
     def write(self, write: RingWrite, values: torch.Tensor) -> None:
         """Store the step's kept rows (``values[write.tokens]``) at their ring rows."""
@@ -105,10 +116,19 @@ class Ring:
 
 
 def write_all(rings: list[Ring], write: RingWrite, values: list[torch.Tensor]) -> None:
-    """``rings[i].write(write, values[i])`` for rings of one encoding and row count (one step's
-    window rings): the kept rows of all of them are packed in one call (packing is per row, so
-    the stored bytes are those of separate writes)."""
-    if len(rings) == 1 or len({(v.shape, v.dtype) for v in values}) != 1:
+    """``rings[i].write(write, values[i])`` for rings of one row count (one step's ring updates):
+    rings whose rows are their values' bytes are copied in one native call; of the others, those of
+    one encoding are packed in one call (packing is per row, so the stored bytes are those of
+    separate writes)."""
+    raw = [i for i, (ring, v) in enumerate(zip(rings, values)) if ring.stores_bytes_of(v) and native_rows.serves(v)]
+    if raw:
+        native_rows.ring_store([rings[i].data for i in raw], [values[i] for i in raw], write.tokens, write.slot,
+                               write.ring_row)
+        if len(raw) == len(rings):
+            return
+        keep = [i for i in range(len(rings)) if i not in raw]
+        rings, values = [rings[i] for i in keep], [values[i] for i in keep]
+    if len(rings) == 1 or len({(v.shape, v.dtype, r.fmt) for r, v in zip(rings, values)}) != 1:
         for ring, v in zip(rings, values):
             ring.write(write, v)
         return

@@ -39,3 +39,10 @@ def pack(scheme: str, x: torch.Tensor, block: int, rope_dim: int, row_bytes: int
 def unpack(scheme: str, u8: torch.Tensor, block: int, dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """`RowFormat.unpack(u8, dtype)` for bf16 / fp32 `dtype` (caller checked `serves(u8)`)."""
     return library().unpack_rows(u8, SCHEMES[scheme], block, dim, rope_dim, dtype)
+
+
+def ring_store(rings: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor, slot: torch.Tensor,
+               row: torch.Tensor) -> None:
+    """``rings[i][slot[j], row[j]] = bytes of values[i][tokens[j]]`` for every ring and kept row, in one
+    call (`Ring.write` of plain encodings; the caller checked `Ring.stores_bytes_of` and `serves`)."""
+    library().ring_store(rings, values, tokens, slot, row)

@@ -569,6 +569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("fake_quant_fp4", &kk::fake_quant_fp4, "FP4 e2m1 quantise-dequantise (quant.fake_quant_fp4's bits, rows.cpp)");
   mod.def("pack_rows", &kk::pack_rows, "cache row pack of the fp4 / fp8 schemes (cache/formats.py's bytes, rows.cpp)");
   mod.def("unpack_rows", &kk::unpack_rows, "cache row unpack of the fp4 / fp8 schemes (rows.cpp)");
+  mod.def("ring_store", &kk::ring_store, "the end-of-step ring update of plain rows, every ring of a step at once (rows.cpp)");
   mod.def("cpu_has", &cpu_has, "whether the CPU runs a code path ('avx512bf16' or 'avx2')");
   mod.def("moe_experts", &moe_experts, "a MoE layer's routed and shared experts and their combine in one call (moe.h)");
   mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");

@@ -234,4 +234,46 @@ torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64
   return out;
 }
 
+// Ring rows stored as their values' bytes: for each ring i and kept row j, the bytes of
+// values[i][tokens[j]] become row row[j] of slot slot[j] of rings[i] (what `Ring.write` stores for a
+// plain encoding, `pack` being a byte copy there). Every index is checked before anything is written.
+void ring_store(const std::vector<torch::Tensor>& rings, const std::vector<torch::Tensor>& values,
+                const torch::Tensor& tokens, const torch::Tensor& slot, const torch::Tensor& row) {
+  TORCH_CHECK(rings.size() == values.size(), "kernels.ring_store: ", rings.size(), " rings for ", values.size(),
+              " value tensors");
+  for (const auto* t : {&tokens, &slot, &row})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() &&
+                    t->numel() == tokens.numel(),
+                "kernels.ring_store: tokens, slot and row must be contiguous int64 [K] CPU tensors of one length");
+  const int64_t n = tokens.numel();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t* rp = row.data_ptr<int64_t>();
+  for (size_t i = 0; i < rings.size(); ++i) {
+    const auto& ring = rings[i];
+    const auto& v = values[i];
+    TORCH_CHECK(ring.device().is_cpu() && ring.dim() == 3 && ring.stride(2) == 1, "kernels.ring_store: ring ", i,
+                " must be a CPU [slots, rows, cols] tensor with unit column stride");
+    TORCH_CHECK(v.device().is_cpu() && v.dim() == 2 && v.is_contiguous(), "kernels.ring_store: values ", i,
+                " must be a contiguous CPU [T, width] tensor");
+    const int64_t bytes = v.size(1) * static_cast<int64_t>(v.element_size());
+    TORCH_CHECK(ring.size(2) * static_cast<int64_t>(ring.element_size()) == bytes, "kernels.ring_store: ring ", i,
+                " rows hold ", ring.size(2) * ring.element_size(), " bytes, its values ", bytes);
+    for (int64_t j = 0; j < n; ++j)
+      TORCH_CHECK(tp[j] >= 0 && tp[j] < v.size(0) && sp[j] >= 0 && sp[j] < ring.size(0) && rp[j] >= 0 &&
+                      rp[j] < ring.size(1),
+                  "kernels.ring_store: kept row ", j, " (token ", tp[j], ", slot ", sp[j], ", row ", rp[j],
+                  ") is outside ring ", i, " ", ring.sizes(), " or its values ", v.sizes());
+  }
+  for (size_t i = 0; i < rings.size(); ++i) {
+    const auto& ring = rings[i];
+    const auto& v = values[i];
+    const int64_t es = ring.element_size(), bytes = v.size(1) * static_cast<int64_t>(v.element_size());
+    char* base = static_cast<char*>(ring.data_ptr());
+    const char* src = static_cast<const char*>(v.data_ptr());
+    for (int64_t j = 0; j < n; ++j)
+      memcpy(base + (sp[j] * ring.stride(0) + rp[j] * ring.stride(1)) * es, src + tp[j] * bytes, bytes);
+  }
+}
+
 }  // namespace kvshare_kernels

@@ -1,6 +1,7 @@
 // Cache row codecs and the FP4 quantise-dequantise (rows.cpp), declared for the binding.
 #pragma once
 #include <torch/extension.h>
+#include <vector>
 
 namespace kvshare_kernels {
 
@@ -14,5 +15,9 @@ torch::Tensor pack_rows(torch::Tensor x, int64_t scheme, int64_t block, int64_t 
 // RowFormat.unpack: uint8 [..., row_bytes] -> [..., dim] in out_dtype (decoded in fp32, then rounded).
 torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64_t dim, int64_t rope_dim,
                           torch::ScalarType out_dtype);
+// Ring.write for plain encodings: the bytes of values[i][tokens[j]] -> rings[i][slot[j], row[j]] for
+// every ring i and kept row j (a ring row holds exactly one value row's bytes).
+void ring_store(const std::vector<torch::Tensor>& rings, const std::vector<torch::Tensor>& values,
+                const torch::Tensor& tokens, const torch::Tensor& slot, const torch::Tensor& row);
 
 }  // namespace kvshare_kernels
