@@ -24,7 +24,8 @@ for positions < 0; compressed entry j of ratio r is completed by the token at po
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -96,14 +97,26 @@ class Prefix:
     """Compressed rows ``[0, n_rows[i])`` of each sequence for ratio r after this step.
 
     ``width`` (host) = max n_rows; ``mask`` [N, width]; ``compress_len`` [T] = (pos + 1) // r, the
-    causal bound of each token row; ``causal`` [T, width] = column < compress_len."""
+    causal bound of each token row; ``causal`` [T, width] = column < compress_len. The two masks
+    are built on first use (the native paths read only the counts)."""
 
     ratio: int
     n_rows: torch.Tensor
     width: int
-    mask: torch.Tensor
     compress_len: torch.Tensor
-    causal: torch.Tensor
+    build_masks: Callable[[], torch.Tensor]  # [N + T, width] bool: mask, then causal
+
+    @cached_property
+    def _masks(self) -> torch.Tensor:
+        return self.build_masks()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self._masks[:self.n_rows.shape[0]]
+
+    @property
+    def causal(self) -> torch.Tensor:
+        return self._masks[self.n_rows.shape[0]:]
 
 
 class StepAddresses:
@@ -240,10 +253,9 @@ class StepAddresses:
             cols = np.arange(width, dtype=np.int64)
             compress_len = (self._pos + 1) // ratio
             n_t = self._tensor(np.concatenate([n_rows, compress_len]))
-            masks = self._tensor(np.concatenate([cols[None, :] < n_rows[:, None],
-                                                 cols[None, :] < compress_len[:, None]]), torch.bool)
             n = self.num_seqs
-            return Prefix(ratio, n_t[:n], width, masks[:n], n_t[n:], masks[n:])
+            return Prefix(ratio, n_t[:n], width, n_t[n:], lambda: self._tensor(np.concatenate(
+                [cols[None, :] < n_rows[:, None], cols[None, :] < compress_len[:, None]]), torch.bool))
         return self._cached(("prefix", ratio), build)  # type: ignore[return-value]
 
     def causal_picks(self, ratio: int, k: int) -> torch.Tensor:

@@ -120,7 +120,8 @@ def write_all(rings: list[Ring], write: RingWrite, values: list[torch.Tensor]) -
     rings whose rows are their values' bytes are copied in one native call; of the others, those of
     one encoding are packed in one call (packing is per row, so the stored bytes are those of
     separate writes)."""
-    raw = [i for i, (ring, v) in enumerate(zip(rings, values)) if ring.stores_bytes_of(v) and native_rows.serves(v)]
+    native = native_rows.serves(values[0])  # (one step's values: one device, no autograd)
+    raw = [i for i, (ring, v) in enumerate(zip(rings, values)) if native and ring.stores_bytes_of(v)]
     if raw:
         native_rows.ring_store([rings[i].data for i in raw], [values[i] for i in raw], write.tokens, write.slot,
                                write.ring_row)
