@@ -89,12 +89,14 @@ class Compressor(nn.Module):
         """The kernels' pack of ``cat([wide(wkv), wide(wgate)])`` (rows [a | z]), made once per version
         of the two weights; None where the kernels do not serve them (no native library, not CPU)."""
         wkv, wgate = self.wkv.weight, self.wgate.weight
+        key = (wkv.data_ptr(), version_of(wkv), wgate.data_ptr(), version_of(wgate), wkv.dtype, wgate.dtype)
+        fused = self._fused
+        if fused is not None and fused[0] == key:  # (a pack exists only where the checks below held)
+            return fused[1]
         if not kernels.available() or wkv.device.type != "cpu" or wkv.dtype == torch.float64:
             return None
-        key = (wkv.data_ptr(), version_of(wkv), wgate.data_ptr(), version_of(wgate), wkv.dtype, wgate.dtype)
-        if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
-                self._fused = (key, kernels.pack(torch.cat([wide(wkv), wide(wgate)]).detach()))
+        with torch.no_grad():
+            self._fused = (key, kernels.pack(torch.cat([wide(wkv), wide(wgate)]).detach()))
         return self._fused[1]
 
     @property
