@@ -30,6 +30,7 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.kernels import decode as native
+from kvshare.kernels import mhc as fused_mhc
 from kvshare.kernels import moe as native_moe
 from kvshare.model import Transformer
 from kvshare.model import mhc
@@ -192,7 +193,9 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     ref = _logits(model, prompts, 4, on=False)
     calls, pools, moe, proj = [], [], [], []
     real, real_pool, real_moe, real_proj = native.mhc_expand, native.compress_pool, native_moe.experts, native.project_wide
+    real_boundary = fused_mhc.boundary
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused_mhc, "boundary", lambda *a: calls.append(1) or real_boundary(*a))  # expands too
     monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
     monkeypatch.setattr(native_moe, "experts", lambda *a: moe.append(1) or real_moe(*a))
     monkeypatch.setattr(native, "project_wide", lambda *a: proj.append(len(a) > 2 and a[2] is not None) or real_proj(*a))

@@ -28,6 +28,7 @@ from torch import nn
 
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
+from kvshare.kernels import mhc as fused_mhc
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
@@ -40,9 +41,16 @@ from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
 from kvshare.ops import invariant
+from kvshare.ops.invariant import native_pack
 from kvshare.precision import wide
 from kvshare.runtime import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
+
+
+def _fused_mhc_serves(cfg: ModelConfig) -> bool:
+    """Whether a forward that runs the native mHC kernels makes them as fused calls (`kernels/mhc.py`):
+    switched on, no autograd, rows the native RMSNorm takes (hidden >= 8)."""
+    return fused_mhc.enabled() and not torch.is_grad_enabled() and cfg.hidden_size >= 8
 
 
 class Block(nn.Module):
@@ -93,6 +101,8 @@ class Block(nn.Module):
         # the fp32 streams, converted once per sublayer for the mix, collapse and expand; the native
         # kernels read the streams in their own dtype (the same values), so they need no copy
         native_mhc = invariant.is_on() and native.serves(h)
+        if native_mhc and _fused_mhc_serves(self.cfg):
+            return self._forward_fused(h, pre_prev, ctx, lagged)
         hw = None if native_mhc else wide(h)
         pre, post, comb = self._mix("attn", h, hw)
         x = hc_collapse(h, pre_prev if lagged else pre, hw)
@@ -102,6 +112,32 @@ class Block(nn.Module):
         x = hc_collapse(h, pre_attn if lagged else pre, hw)
         h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
         return h, pre
+
+    def _fused_mix(self, sub: str) -> tuple:
+        """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale), the pack being the
+        one `row_linear` multiplies by in the unfused path."""
+        if sub == "attn":
+            return native_pack(wide(self.hc_attn_fn)), self.hc_attn_base, self.hc_attn_scale
+        return native_pack(wide(self.hc_ffn_fn)), self.hc_ffn_base, self.hc_ffn_scale
+
+    def _forward_fused(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
+                       lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_forward_unchunked`'s native calls fused per sublayer boundary (`kernels/mhc.py`: the same
+        calls in the same order, so the same bits): enter(attn), attention, boundary(ffn), MoE, expand."""
+        cfg = self.cfg
+        consts = (cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        an, fnorm = self.attn_norm, self.ffn_norm
+        x, pre, post, comb = fused_mhc.enter(h, *self._fused_mix("attn"), pre_prev if lagged else None,
+                                             an.weight, an.eps, *consts)
+        y = self.attn(x, ctx)
+        if y.dtype != h.dtype:  # (sublayers return the stream dtype; otherwise the unfused calls, as before)
+            h = hc_expand(h, y, post, comb)
+            x, pre_f, post, comb = fused_mhc.enter(h, *self._fused_mix("ffn"), pre if lagged else None,
+                                                   fnorm.weight, fnorm.eps, *consts)
+        else:
+            h, x, pre_f, post, comb = fused_mhc.boundary(h, y, post, comb, *self._fused_mix("ffn"),
+                                                         pre if lagged else None, fnorm.weight, fnorm.eps, *consts)
+        return hc_expand(h, self.ffn(x, ctx.input_ids), post, comb), pre_f
 
     def _forward_chunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                          lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +213,13 @@ class Transformer(nn.Module):
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
             pre = pre[batch.logit_rows] if pre is not None else None
+        if invariant.is_on() and native.serves(h) and _fused_mhc_serves(cfg):  # the tail in one call (same bits)
+            if cfg.arch == "v4":
+                x = fused_mhc.head(h, None, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps,
+                                   native_pack(wide(self.hc_head_fn)), self.hc_head_base, self.hc_head_scale)
+            else:
+                x = fused_mhc.head(h, pre, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps)
+            return wide(self.head(x))
         if cfg.arch == "v4":
             pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
                               rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)

@@ -552,6 +552,153 @@ static std::vector<torch::Tensor> moe_gate(torch::Tensor x, torch::Tensor w, tor
   return routed;
 }
 
+#include "mhc.h"
+
+// ---- a sublayer's mHC in one call (mhc.h): checks, outputs and scratch here, the work in mhc.cpp ----
+// The mix parameters as fp32 (bf16 ones widened: exact), checked against hc, D and the mix's n outputs;
+// the tensors are kept here while the kernel reads them.
+struct MhcArgs {
+  torch::Tensor base, scale, norm_w;
+  kk::MhcMix mix{};
+  kk::MhcNorm norm{};
+};
+
+static void mhc_check_h(const char* who, const torch::Tensor& h) {
+  check_stream_dtype(h, "h");
+  TORCH_CHECK(h.dim() == 3 && h.size(1) >= 1 && h.size(1) <= 16 && h.size(2) >= 8, "kernels.", who,
+              ": h must be [T, hc, D] with hc in [1, 16] and D >= 8, got ", h.sizes());
+}
+
+static void mhc_set_mix(MhcArgs& a, const char* who, const torch::Tensor& h, const torch::Tensor& fn, int64_t n,
+                        int64_t n_scale, const torch::Tensor& base, const torch::Tensor& scale, double rms_eps,
+                        double hc_eps, int64_t iters) {
+  const int64_t k = h.size(1) * h.size(2);
+  TORCH_CHECK(fn.device().is_cpu() && fn.is_contiguous() && fn.scalar_type() == torch::kFloat32 &&
+              fn.numel() == (n + 15) / 16 * k * 16, "kernels.", who, ": fn must be the fp32 pack of a [", n, ", ", k,
+              "] weight (", (n + 15) / 16 * k * 16, " floats), got ", fn.scalar_type(), " ", fn.sizes());
+  TORCH_CHECK(iters >= 1, "kernels.", who, ": iters must be >= 1, got ", iters);
+  a.base = base.to(torch::kFloat32).contiguous();
+  a.scale = scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(a.base.device().is_cpu() && a.base.numel() == n, "kernels.", who, ": base must have ", n, " entries, got ", a.base.numel());
+  TORCH_CHECK(a.scale.device().is_cpu() && a.scale.numel() == n_scale, "kernels.", who, ": scale must have ", n_scale,
+              " entries, got ", a.scale.numel());
+  a.mix = kk::MhcMix{fn.data_ptr<float>(), n, a.base.data_ptr<float>(), a.scale.data_ptr<float>(),
+                     static_cast<float>(rms_eps), static_cast<float>(hc_eps), static_cast<int>(iters)};
+}
+
+static void mhc_set_norm(MhcArgs& a, const char* who, const torch::Tensor& h, const torch::Tensor& norm_w, double norm_eps) {
+  a.norm_w = norm_w.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(a.norm_w.device().is_cpu() && a.norm_w.numel() == h.size(2), "kernels.", who, ": norm_w must have ",
+              h.size(2), " entries, got ", a.norm_w.numel());
+  a.norm = kk::MhcNorm{a.norm_w.data_ptr<float>(), static_cast<float>(norm_eps)};
+}
+
+static MhcArgs mhc_args(const char* who, const torch::Tensor& h, const torch::Tensor& fn, const torch::Tensor& base,
+                        const torch::Tensor& scale, const torch::Tensor& norm_w, double norm_eps, double rms_eps,
+                        double hc_eps, int64_t iters) {
+  mhc_check_h(who, h);
+  MhcArgs a;
+  const int64_t hc = h.size(1);
+  mhc_set_mix(a, who, h, fn, (2 + hc) * hc, 3, base, scale, rms_eps, hc_eps, iters);
+  mhc_set_norm(a, who, h, norm_w, norm_eps);
+  return a;
+}
+
+static int mhc_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "amx" || isa == "avx512" || isa == "avx2", "kernels.mhc: unknown isa ", isa);
+  TORCH_CHECK(cpu_has(isa == "avx2" ? "avx2" : "avx512bf16"), "kernels.mhc: this CPU lacks ", isa);
+  return isa == "avx2" ? kk::MHC_AVX2 : kk::MHC_AVX512;
+}
+
+static const float* mhc_pre_arg(const c10::optional<torch::Tensor>& pre, const torch::Tensor& h, const char* who) {
+  if (!pre.has_value()) return nullptr;
+  check_rows(*pre, "collapse_pre", torch::kFloat32);
+  TORCH_CHECK(pre->dim() == 2 && pre->size(0) == h.size(0) && pre->size(1) == h.size(1), "kernels.", who,
+              ": collapse_pre must be [", h.size(0), ", ", h.size(1), "], got ", pre->sizes());
+  return pre->data_ptr<float>();
+}
+
+// (x [T, D] in h's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc]) of the sublayer entered from h [T, hc, D].
+static std::vector<torch::Tensor> mhc_enter(torch::Tensor h, torch::Tensor fn, torch::Tensor base, torch::Tensor scale,
+                                            c10::optional<torch::Tensor> collapse_pre, torch::Tensor norm_w, double norm_eps,
+                                            double rms_eps, double hc_eps, int64_t iters, const std::string& isa) {
+  h = h.contiguous();
+  const int64_t hc = h.dim() == 3 ? h.size(1) : 0;
+  const auto a = mhc_args("mhc_enter", h, fn, base, scale, norm_w, norm_eps, rms_eps, hc_eps, iters);
+  const float* cp = mhc_pre_arg(collapse_pre, h, "mhc_enter");
+  const int64_t t = h.size(0), d = h.size(2);
+  auto f32 = h.options().dtype(torch::kFloat32);
+  auto x = torch::empty({t, d}, h.options());
+  auto pre = torch::empty({t, hc}, f32), post = torch::empty({t, hc}, f32), comb = torch::empty({t, hc, hc}, f32);
+  if (t == 0) return {x, pre, post, comb};
+  auto scratch = torch::empty({kk::mhc_scratch_floats(t, static_cast<int>(hc), d, a.mix.n)}, f32);
+  kk::mhc_enter(h.data_ptr(), h.scalar_type() == torch::kBFloat16, t, static_cast<int>(hc), d, a.mix, cp, a.norm,
+                mhc_isa(isa), scratch.data_ptr<float>(), pre.data_ptr<float>(), post.data_ptr<float>(),
+                comb.data_ptr<float>(), x.data_ptr());
+  return {x, pre, post, comb};
+}
+
+// (streams hn [T, hc, D] = expand(h, y, post, comb), then mhc_enter's four outputs on hn).
+static std::vector<torch::Tensor> mhc_boundary(torch::Tensor h, torch::Tensor y, torch::Tensor post_in, torch::Tensor comb_in,
+                                               torch::Tensor fn, torch::Tensor base, torch::Tensor scale,
+                                               c10::optional<torch::Tensor> collapse_pre, torch::Tensor norm_w,
+                                               double norm_eps, double rms_eps, double hc_eps, int64_t iters,
+                                               const std::string& isa) {
+  h = h.contiguous();
+  const int64_t hc = h.dim() == 3 ? h.size(1) : 0;
+  const auto a = mhc_args("mhc_boundary", h, fn, base, scale, norm_w, norm_eps, rms_eps, hc_eps, iters);
+  const float* cp = mhc_pre_arg(collapse_pre, h, "mhc_boundary");
+  const int64_t t = h.size(0), d = h.size(2);
+  check_rows(y, "y", h.scalar_type());
+  check_rows(post_in, "post", torch::kFloat32);
+  check_rows(comb_in, "comb", torch::kFloat32);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == t && y.size(1) == d && post_in.dim() == 2 && post_in.size(0) == t &&
+              post_in.size(1) == hc && comb_in.dim() == 3 && comb_in.size(0) == t && comb_in.size(1) == hc &&
+              comb_in.size(2) == hc, "kernels.mhc_boundary: shapes do not fit: h ", h.sizes(), ", y ", y.sizes(),
+              ", post ", post_in.sizes(), ", comb ", comb_in.sizes());
+  auto f32 = h.options().dtype(torch::kFloat32);
+  auto hn = torch::empty_like(h);
+  auto x = torch::empty({t, d}, h.options());
+  auto pre = torch::empty({t, hc}, f32), post = torch::empty({t, hc}, f32), comb = torch::empty({t, hc, hc}, f32);
+  if (t == 0) return {hn, x, pre, post, comb};
+  auto scratch = torch::empty({kk::mhc_scratch_floats(t, static_cast<int>(hc), d, a.mix.n)}, f32);
+  kk::mhc_boundary(h.data_ptr(), y.data_ptr(), post_in.data_ptr<float>(), comb_in.data_ptr<float>(),
+                   h.scalar_type() == torch::kBFloat16, t, static_cast<int>(hc), d, a.mix, cp, a.norm, mhc_isa(isa),
+                   scratch.data_ptr<float>(), hn.data_ptr(), pre.data_ptr<float>(), post.data_ptr<float>(),
+                   comb.data_ptr<float>(), x.data_ptr());
+  return {hn, x, pre, post, comb};
+}
+
+// The model's tail: x [T, D] = norm(collapse(h, pre)) with pre from V4's head mixes (fn [hc, hc D] packed,
+// base [hc], scale [1]) or, without fn, the given pre [T, hc] (V4.1).
+static torch::Tensor mhc_head(torch::Tensor h, c10::optional<torch::Tensor> fn, c10::optional<torch::Tensor> base,
+                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> pre_in, torch::Tensor norm_w,
+                              double norm_eps, double rms_eps, double hc_eps, const std::string& isa) {
+  h = h.contiguous();
+  const int64_t hc = h.dim() == 3 ? h.size(1) : 0;
+  TORCH_CHECK(fn.has_value() != pre_in.has_value() && fn.has_value() == base.has_value() && fn.has_value() == scale.has_value(),
+              "kernels.mhc_head: give either fn, base and scale (V4) or pre (V4.1)");
+  mhc_check_h("mhc_head", h);
+  MhcArgs a;
+  if (fn.has_value()) mhc_set_mix(a, "mhc_head", h, *fn, hc, 1, *base, *scale, rms_eps, hc_eps, 1);
+  mhc_set_norm(a, "mhc_head", h, norm_w, norm_eps);
+  const int64_t t = h.size(0), d = h.size(2);
+  torch::Tensor pre;
+  if (pre_in.has_value()) {
+    mhc_pre_arg(pre_in, h, "mhc_head");
+    pre = *pre_in;
+  } else {
+    pre = torch::empty({t, hc}, h.options().dtype(torch::kFloat32));
+  }
+  auto x = torch::empty({t, d}, h.options());
+  if (t == 0) return x;
+  auto scratch = torch::empty({kk::mhc_scratch_floats(t, static_cast<int>(hc), d, hc)}, h.options().dtype(torch::kFloat32));
+  kk::mhc_head(h.data_ptr(), h.scalar_type() == torch::kBFloat16, t, static_cast<int>(hc), d,
+               fn.has_value() ? &a.mix : nullptr, pre.data_ptr<float>(), a.norm, mhc_isa(isa), scratch.data_ptr<float>(),
+               x.data_ptr());
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -577,4 +724,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("index_topk", &index_topk, "lightning-indexer scores and stable top-k over keys read in place (index.h)");
   mod.def("project_wide", &project_wide, "fp32 projection of bf16 / fp32 rows with an optional per-position row added");
   mod.def("moe_gate", &moe_gate, "a MoE layer's gate: fp32 logits, scores, stable top-k, normalised and scaled weights");
+  mod.def("mhc_enter", &mhc_enter, "a sublayer's mHC mixes, collapse and norm in one call (mhc.h)");
+  mod.def("mhc_boundary", &mhc_boundary, "expand into the streams, then mhc_enter of the next sublayer (mhc.h)");
+  mod.def("mhc_head", &mhc_head, "the model's final mHC collapse (V4: with the head's pre) and norm (mhc.h)");
 }

@@ -1,0 +1,85 @@
+"""A sublayer's mHC work in one native call (csrc/mhc.cpp), with the switch that selects it.
+
+In a batch-invariant native forward, entering a sublayer used to be five native calls with Python
+between them (`model/mhc.py`: the RMS statistic of the flattened streams, the fp32 mix GEMM,
+`mhc_post`, `mhc_collapse`, then the sublayer's RMSNorm), and leaving it one more (`mhc_expand`).
+These functions make the same calls, in the same order, on the same buffers, from C++:
+
+* `enter(h, ...)` -> (x, pre, post, comb): the sublayer's normed input x [T, D] (h's dtype) and its
+  mixes, x collapsed with `collapse_pre` (V4.1: the previous sublayer's `pre`) or, when None, with
+  the mix's own `pre` (V4);
+* `boundary(h, y, post, comb, ...)` -> (h', x, pre, post, comb): expand the finished sublayer's
+  output y into the streams (h' is the block's residual), then `enter` the next sublayer on h';
+* `head(h, ...)` -> x: the model's tail, the final collapse (V4: with the `hc_head` mixes' sigmoid
+  pre; V4.1: with the last sublayer's pre) and the final RMSNorm.
+
+So every output has the bits of the unfused native calls, hence of the torch path
+(tests/test_mhc_fused.py asserts both, and the spec's formulas in float64 within stated errors).
+The mix weight `fn` is handed over as its fp32 pack (`kernels.pack_fp32`, what `ops.invariant.
+row_linear` multiplies by); base, scale and the norm weight may be bf16 (widened exactly).
+
+`enabled()` is False where `kernels.decode.enabled()` is, or with ``KVSHARE_NATIVE_MHC=off`` (or
+`set_enabled(False)`); the model then makes the unfused calls (same bits).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvshare.kernels import decode as native
+from kvshare.kernels.build import best_isa, library
+from kvshare.kernels.packed import Packed
+
+_SWITCH: dict[str, bool | None] = {"on": None}
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force the fused mHC calls on / off for this process (None: back to the environment)."""
+    _SWITCH["on"] = on
+
+
+def enabled() -> bool:
+    """Whether the model makes the fused mHC calls (see module doc)."""
+    forced = _SWITCH["on"]
+    if forced is False:
+        return False
+    if forced is None and os.environ.get("KVSHARE_NATIVE_MHC", "").lower() in ("off", "0", "torch"):
+        return False
+    return native.enabled()
+
+
+def _fp32_pack(fn: Packed) -> torch.Tensor:
+    if fn.fmt != "fp32":
+        raise ValueError(f"kernels.mhc: the mix weight must be packed as fp32, got {fn.fmt}")
+    return fn.data
+
+
+def enter(h: torch.Tensor, fn: Packed, base: torch.Tensor, scale: torch.Tensor, collapse_pre: torch.Tensor | None,
+          norm_w: torch.Tensor, norm_eps: float, rms_eps: float, hc_eps: float,
+          iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [T, D] in h's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc] fp32) for the sublayer that
+    reads streams h [T, hc, D] (bf16 / fp32): mixes from `fn` (fp32 pack of [(2 + hc) hc, hc D]),
+    `base`, `scale`; x = RMSNorm(collapse(h, collapse_pre or pre), norm_w, norm_eps)."""
+    return tuple(library().mhc_enter(h, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps, rms_eps,
+                                     hc_eps, iters, best_isa()))  # type: ignore[return-value]
+
+
+def boundary(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: Packed, base: torch.Tensor,
+             scale: torch.Tensor, collapse_pre: torch.Tensor | None, norm_w: torch.Tensor, norm_eps: float,
+             rms_eps: float, hc_eps: float, iters: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h' = expand(h, y, post, comb) [T, hc, D], then `enter`'s four outputs on h'); y [T, D] in h's dtype."""
+    return tuple(library().mhc_boundary(h, y, post, comb, _fp32_pack(fn), base, scale, collapse_pre, norm_w,
+                                        norm_eps, rms_eps, hc_eps, iters, best_isa()))  # type: ignore[return-value]
+
+
+def head(h: torch.Tensor, pre: torch.Tensor | None, norm_w: torch.Tensor, norm_eps: float, rms_eps: float,
+         hc_eps: float, fn: Packed | None = None, base: torch.Tensor | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D] in h's dtype = RMSNorm(collapse(h, pre), norm_w, norm_eps) with `pre` [T, hc] given (V4.1)
+    or, when `fn` (fp32 pack of [hc, hc D]), `base` [hc] and `scale` [1] are given instead (V4),
+    pre = sigmoid(fn . rms(flat h) * scale + base) + hc_eps."""
+    return library().mhc_head(h, None if fn is None else _fp32_pack(fn), base, scale, pre, norm_w, norm_eps,
+                              rms_eps, hc_eps, best_isa())
