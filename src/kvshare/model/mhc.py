@@ -12,6 +12,10 @@ The residual is `hc` parallel streams h [T, hc, D]. For one sublayer with parame
 V4 collapses each sublayer with its own `pre` and ends with `hc_head` (sigmoid pre only).
 V4.1 collapses with the previous sublayer's `pre` (one-hot [1, 0, ...] for the first) and ends
 with the last sublayer's `pre`; the caller threads `pre` through.
+
+These functions are the reference and the general path. In a batch-invariant forward with the
+native kernels (no autograd), `model/deepseek.py` makes their native calls fused, one per sublayer
+boundary (`kernels/mhc.py`: the same calls in the same order, so the same bits).
 """
 
 from __future__ import annotations
