@@ -203,6 +203,21 @@ def test_boundary_follows_the_spec_formulas(dtype) -> None:
     assert _rel(x, _spec_x(hn, s_pre, c["norm_w"])) < X_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_leave_gives_the_bits_of_the_expand_for_any_strides(dtype) -> None:
+    c = _case(dtype, 25)
+    _, _, post, comb = _enter(c["h"], c, False)
+    want_torch = _ref_expand(c["h"], c["y"], post, comb, "torch")
+    y_strided = c["y"].t().contiguous().t()  # the same values, column-major
+    h_strided = c["h"].transpose(0, 1).contiguous().transpose(0, 1)
+    for t in ROWS:
+        got = fused.leave(h_strided[:t], y_strided[:t], post[:t], comb[:t])
+        assert got.is_contiguous() and torch.equal(got, native.mhc_expand(c["h"][:t], c["y"][:t], post[:t], comb[:t])), t
+        assert torch.equal(got, want_torch[:t]), t
+    with pytest.raises(RuntimeError, match="y has dtype"):
+        fused.leave(c["h"], c["y"].double(), post, comb)
+
+
 def _ref_head(h: torch.Tensor, c: dict, v4: bool, kind: str) -> torch.Tensor:
     """`Transformer._forward`'s unfused tail."""
     with _Path(kind), torch.no_grad():
@@ -291,7 +306,7 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         native.set_enabled(None)
 
 
-_REAL = {fn: getattr(fused, fn) for fn in ("enter", "boundary", "head")}  # before any test wraps them
+_REAL = {fn: getattr(fused, fn) for fn in ("enter", "boundary", "leave", "head")}  # before any test wraps them
 
 
 def _serve(name: str, dtype: torch.dtype, on: bool, monkeypatch: pytest.MonkeyPatch):
@@ -301,7 +316,7 @@ def _serve(name: str, dtype: torch.dtype, on: bool, monkeypatch: pytest.MonkeyPa
         monkeypatch.delenv("KVSHARE_NATIVE_MHC", raising=False)
     else:
         monkeypatch.setenv("KVSHARE_NATIVE_MHC", "off")
-    calls = {"enter": 0, "boundary": 0, "head": 0}
+    calls = {"enter": 0, "boundary": 0, "leave": 0, "head": 0}
     for fn in calls:
         real = _REAL[fn]
 
@@ -333,7 +348,8 @@ def test_engine_tokens_and_logits_are_bitwise_the_unfused_ones(name: str, dtype:
     tokens, rows, calls = _serve(name, dtype, True, monkeypatch)
     assert sum(ref_calls.values()) == 0
     layers = load_config(name).num_hidden_layers
-    assert calls["enter"] == calls["boundary"] == layers * calls["head"] and calls["head"] >= 10  # every forward
+    assert calls["enter"] == calls["boundary"] == calls["leave"] == layers * calls["head"]  # every block ...
+    assert calls["head"] >= 10  # ... of every forward
     assert tokens == ref_tokens and len(tokens) == 4
     assert rows.keys() == ref_rows.keys()
     for k in rows:
@@ -360,18 +376,20 @@ def _forward_logits(model: Transformer, prompts: list[list[int]], steps: int) ->
     return out
 
 
-def test_an_attention_output_in_another_dtype_takes_the_unfused_expand(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sublayer output whose dtype is not the streams' (here: attention returning fp32 values off
-    the bf16 grid in a bf16 model) is expanded as the unfused path expands it (torch's expand of the
+def test_a_sublayer_output_in_another_dtype_takes_the_unfused_expand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sublayer output whose dtype is not the streams' (here: attention and MoE returning fp32 values
+    off the bf16 grid in a bf16 model) is expanded as the unfused path expands it (torch's expand of the
     fp32 values), so the fused forward keeps the unfused forward's bits; rounding that output to bf16
-    first (what a boundary call would need) changes the logits, so the case is not vacuous."""
+    first (what the boundary / leave calls would need) changes the logits, so the case is not vacuous."""
     from kvshare.model.attention import Attention
+    from kvshare.model.moe import MoE
 
     model = Transformer(load_config("tiny-v41"), quant=False).init_weights(9).eval().to(torch.bfloat16)
     model.batch_invariant = True
     prompts = [[5, 9, 13, 2, 7, 11, 30], [3, 1, 4]]
-    real = Attention.forward
+    real, real_moe = Attention.forward, MoE.forward
     monkeypatch.setattr(Attention, "forward", lambda self, *a: real(self, *a).float() * (1 + 2 ** -12))
+    monkeypatch.setattr(MoE, "forward", lambda self, *a: real_moe(self, *a).float() * (1 + 2 ** -12))
     fused.set_enabled(False)
     try:
         want = _forward_logits(model, prompts, 3)
@@ -380,4 +398,5 @@ def test_an_attention_output_in_another_dtype_takes_the_unfused_expand(monkeypat
     got = _forward_logits(model, prompts, 3)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     monkeypatch.setattr(Attention, "forward", lambda self, *a: (real(self, *a).float() * (1 + 2 ** -12)).bfloat16())
+    monkeypatch.setattr(MoE, "forward", lambda self, *a: (real_moe(self, *a).float() * (1 + 2 ** -12)).bfloat16())
     assert not all(torch.equal(a, b) for a, b in zip(_forward_logits(model, prompts, 3), want))

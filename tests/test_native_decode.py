@@ -193,9 +193,10 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
     ref = _logits(model, prompts, 4, on=False)
     calls, pools, moe, proj = [], [], [], []
     real, real_pool, real_moe, real_proj = native.mhc_expand, native.compress_pool, native_moe.experts, native.project_wide
-    real_boundary = fused_mhc.boundary
+    real_boundary, real_leave = fused_mhc.boundary, fused_mhc.leave
     monkeypatch.setattr(native, "mhc_expand", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(fused_mhc, "boundary", lambda *a: calls.append(1) or real_boundary(*a))  # expands too
+    monkeypatch.setattr(fused_mhc, "leave", lambda *a: calls.append(1) or real_leave(*a))
     monkeypatch.setattr(native, "compress_pool", lambda *a: pools.append(1) or real_pool(*a))
     monkeypatch.setattr(native_moe, "experts", lambda *a: moe.append(1) or real_moe(*a))
     monkeypatch.setattr(native, "project_wide", lambda *a: proj.append(len(a) > 2 and a[2] is not None) or real_proj(*a))

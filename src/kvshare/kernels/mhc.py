@@ -10,6 +10,8 @@ These functions make the same calls, in the same order, on the same buffers, fro
   the mix's own `pre` (V4);
 * `boundary(h, y, post, comb, ...)` -> (h', x, pre, post, comb): expand the finished sublayer's
   output y into the streams (h' is the block's residual), then `enter` the next sublayer on h';
+* `leave(h, y, post, comb)` -> h': the expand of a block's last sublayer (`decode.mhc_expand`'s
+  kernel, with no torch calls around it: y must have h's dtype);
 * `head(h, ...)` -> x: the model's tail, the final collapse (V4: with the `hc_head` mixes' sigmoid
   pre; V4.1: with the last sublayer's pre) and the final RMSNorm.
 
@@ -73,6 +75,11 @@ def boundary(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
     """(h' = expand(h, y, post, comb) [T, hc, D], then `enter`'s four outputs on h'); y [T, D] in h's dtype."""
     return tuple(library().mhc_boundary(h, y, post, comb, _fp32_pack(fn), base, scale, collapse_pre, norm_w,
                                         norm_eps, rms_eps, hc_eps, iters, best_isa()))  # type: ignore[return-value]
+
+
+def leave(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """[T, hc, D] = post_k y + sum_j comb[j, k] h_j in h's dtype (`decode.mhc_expand`); y [T, D] in h's dtype."""
+    return library().mhc_leave(h, y, post, comb)
 
 
 def head(h: torch.Tensor, pre: torch.Tensor | None, norm_w: torch.Tensor, norm_eps: float, rms_eps: float,

@@ -53,6 +53,12 @@ def _fused_mhc_serves(cfg: ModelConfig) -> bool:
     return fused_mhc.enabled() and not torch.is_grad_enabled() and cfg.hidden_size >= 8
 
 
+def _fp32_pack(fn: torch.Tensor):
+    """The fp32 pack `row_linear` multiplies by in the unfused path, ``native_pack(wide(fn))``: an fp32
+    parameter's own pack (without the `wide` call), a bf16 one's widened copy."""
+    return native_pack(fn if fn.dtype == torch.float32 else wide(fn))
+
+
 class Block(nn.Module):
     """One backbone layer: mHC-wrapped attention sublayer, then mHC-wrapped MoE sublayer."""
 
@@ -114,16 +120,15 @@ class Block(nn.Module):
         return h, pre
 
     def _fused_mix(self, sub: str) -> tuple:
-        """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale), the pack being the
-        one `row_linear` multiplies by in the unfused path."""
+        """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale)."""
         if sub == "attn":
-            return native_pack(wide(self.hc_attn_fn)), self.hc_attn_base, self.hc_attn_scale
-        return native_pack(wide(self.hc_ffn_fn)), self.hc_ffn_base, self.hc_ffn_scale
+            return _fp32_pack(self.hc_attn_fn), self.hc_attn_base, self.hc_attn_scale
+        return _fp32_pack(self.hc_ffn_fn), self.hc_ffn_base, self.hc_ffn_scale
 
     def _forward_fused(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                        lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`_forward_unchunked`'s native calls fused per sublayer boundary (`kernels/mhc.py`: the same
-        calls in the same order, so the same bits): enter(attn), attention, boundary(ffn), MoE, expand."""
+        calls in the same order, so the same bits): enter(attn), attention, boundary(ffn), MoE, leave (expand)."""
         cfg = self.cfg
         consts = (cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         an, fnorm = self.attn_norm, self.ffn_norm
@@ -137,7 +142,8 @@ class Block(nn.Module):
         else:
             h, x, pre_f, post, comb = fused_mhc.boundary(h, y, post, comb, *self._fused_mix("ffn"),
                                                          pre if lagged else None, fnorm.weight, fnorm.eps, *consts)
-        return hc_expand(h, self.ffn(x, ctx.input_ids), post, comb), pre_f
+        y = self.ffn(x, ctx.input_ids)
+        return (fused_mhc.leave(h, y, post, comb) if y.dtype == h.dtype else hc_expand(h, y, post, comb)), pre_f
 
     def _forward_chunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                          lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +222,7 @@ class Transformer(nn.Module):
         if invariant.is_on() and native.serves(h) and _fused_mhc_serves(cfg):  # the tail in one call (same bits)
             if cfg.arch == "v4":
                 x = fused_mhc.head(h, None, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps,
-                                   native_pack(wide(self.hc_head_fn)), self.hc_head_base, self.hc_head_scale)
+                                   _fp32_pack(self.hc_head_fn), self.hc_head_base, self.hc_head_scale)
             else:
                 x = fused_mhc.head(h, pre, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps)
             return wide(self.head(x))

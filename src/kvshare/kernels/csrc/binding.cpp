@@ -649,6 +649,7 @@ static std::vector<torch::Tensor> mhc_boundary(torch::Tensor h, torch::Tensor y,
   const auto a = mhc_args("mhc_boundary", h, fn, base, scale, norm_w, norm_eps, rms_eps, hc_eps, iters);
   const float* cp = mhc_pre_arg(collapse_pre, h, "mhc_boundary");
   const int64_t t = h.size(0), d = h.size(2);
+  y = y.contiguous();
   check_rows(y, "y", h.scalar_type());
   check_rows(post_in, "post", torch::kFloat32);
   check_rows(comb_in, "comb", torch::kFloat32);
@@ -667,6 +668,12 @@ static std::vector<torch::Tensor> mhc_boundary(torch::Tensor h, torch::Tensor y,
                    scratch.data_ptr<float>(), hn.data_ptr(), pre.data_ptr<float>(), post.data_ptr<float>(),
                    comb.data_ptr<float>(), x.data_ptr());
   return {hn, x, pre, post, comb};
+}
+
+// Leaving a block's last sublayer: `mhc_expand` of any-strided inputs (copied to contiguous here, not by torch
+// calls in Python); y must have h's dtype.
+static torch::Tensor mhc_leave(torch::Tensor h, torch::Tensor y, torch::Tensor post, torch::Tensor comb) {
+  return mhc_expand(h.contiguous(), y.contiguous(), post.contiguous(), comb.contiguous());
 }
 
 // The model's tail: x [T, D] = norm(collapse(h, pre)) with pre from V4's head mixes (fn [hc, hc D] packed,
@@ -726,5 +733,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("moe_gate", &moe_gate, "a MoE layer's gate: fp32 logits, scores, stable top-k, normalised and scaled weights");
   mod.def("mhc_enter", &mhc_enter, "a sublayer's mHC mixes, collapse and norm in one call (mhc.h)");
   mod.def("mhc_boundary", &mhc_boundary, "expand into the streams, then mhc_enter of the next sublayer (mhc.h)");
+  mod.def("mhc_leave", &mhc_leave, "mhc_expand of inputs of any strides (mhc.h)");
   mod.def("mhc_head", &mhc_head, "the model's final mHC collapse (V4: with the head's pre) and norm (mhc.h)");
 }
