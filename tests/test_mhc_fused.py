@@ -15,11 +15,14 @@ bf16, fp32): greedy tokens and every sampled logits row bitwise equal with the f
 off (``KVSHARE_NATIVE_MHC=off``).
 
 Mutations run while writing this (each failed the tests named): the boundary's enter reading the
-streams before the expand (`h` for `hn`: every boundary test), the collapse always with the mix's
-own pre (the V4.1 cases of enter / boundary, and the tiny-v41 engines), the sublayer norm without
-its weight (every enter / boundary / head test), the head's sigmoid with the bias added after the
-sigmoid (the V4 head tests), the mix GEMM's ISA forced to AVX2 under AVX-512 (bits equal: FP32
-packs take the same order on both paths, by design; not a mutation these tests can catch).
+streams before the expand (`h` for `hn` in mhc.cpp: the 6 boundary tests); the collapse always with
+the mix's own pre (the V4.1 cases of the enter / boundary tests, 8, and the two tiny-v41 engine
+tests); the sublayer norm without its weight (all 26 enter / boundary / head tests); the head's
+bias left out of the sigmoid's argument (the 4 V4 head tests); in the model, the boundary
+collapsing with the block's incoming pre instead of the attention mix's (the tiny-v41 engine
+tests); the dtype guards before boundary / leave removed (the other-dtype test: a RuntimeError).
+Not caught, by design: the mix GEMM forced to the AVX2 code under AVX-512 (fp32 packs sum in the
+same order on both paths, so the same bits).
 """
 
 from __future__ import annotations
