@@ -282,7 +282,7 @@ def test_bad_inputs_name_the_argument() -> None:
         fused.boundary(c["h"], c["y"], post[:2], comb, p, *args)
     with pytest.raises(RuntimeError, match="mhc_head: give either fn, base and scale"):
         fused.head(c["h"], None, c["norm_w"], NORM_EPS, RMS_EPS, HC_EPS)
-    with pytest.raises(ValueError, match="must be packed as fp32"):
+    with pytest.raises(ValueError, match="fn must be packed as fp32"):
         fused.enter(c["h"], _bf16_pack(c["fn"]), *args)
 
 

@@ -52,9 +52,9 @@ def enabled() -> bool:
     return native.enabled()
 
 
-def _fp32_pack(fn: Packed) -> torch.Tensor:
-    if fn.fmt != "fp32":
-        raise ValueError(f"kernels.mhc: the mix weight must be packed as fp32, got {fn.fmt}")
+def _fp32_pack(fn: Packed | None) -> torch.Tensor:
+    if fn is None or fn.fmt != "fp32":
+        raise ValueError(f"kernels.mhc: the mix weight fn must be packed as fp32, got {None if fn is None else fn.fmt}")
     return fn.data
 
 

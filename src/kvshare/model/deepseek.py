@@ -29,6 +29,7 @@ from torch import nn
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused_mhc
+from kvshare.kernels.packed import Packed
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
@@ -53,7 +54,7 @@ def _fused_mhc_serves(cfg: ModelConfig) -> bool:
     return fused_mhc.enabled() and not torch.is_grad_enabled() and cfg.hidden_size >= 8
 
 
-def _fp32_pack(fn: torch.Tensor):
+def _fp32_pack(fn: torch.Tensor) -> Packed | None:
     """The fp32 pack `row_linear` multiplies by in the unfused path, ``native_pack(wide(fn))``: an fp32
     parameter's own pack (without the `wide` call), a bf16 one's widened copy."""
     return native_pack(fn if fn.dtype == torch.float32 else wide(fn))
@@ -119,7 +120,7 @@ class Block(nn.Module):
         h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
         return h, pre
 
-    def _fused_mix(self, sub: str) -> tuple:
+    def _fused_mix(self, sub: str) -> tuple[Packed | None, torch.Tensor, torch.Tensor]:
         """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale)."""
         if sub == "attn":
             return _fp32_pack(self.hc_attn_fn), self.hc_attn_base, self.hc_attn_scale
