@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("binding.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "decode.cpp", "rows.cpp", "moe.cpp",
-           "attn.cpp", "index.cpp", "mhc.cpp")
-_HEADERS = ("gemm.h", "gemm_body.h", "decode.h", "weights512.h", "rows.h", "lanes8.h", "moe.h", "attn.h", "index.h", "mhc.h")
+           "attn.cpp", "index.cpp", "mhc.cpp", "packed_gemm.cpp", "attn_proj.cpp")
+_HEADERS = ("gemm.h", "gemm_body.h", "decode.h", "weights512.h", "rows.h", "lanes8.h", "moe.h", "attn.h", "index.h", "mhc.h",
+            "packed_gemm.h", "attn_proj.h")
 
 
 def cache_root() -> Path:

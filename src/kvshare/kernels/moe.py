@@ -43,6 +43,12 @@ nn.modules.module.register_module_parameter_registration_hook(_bump)
 nn.modules.module.register_module_module_registration_hook(_bump)
 
 
+def generation() -> int:
+    """How many parameters and submodules were registered anywhere so far (a pack set built at one
+    generation is stale at a later one; `kernels.attn_proj` keys its packs on it too)."""
+    return _GENERATION[0]
+
+
 @dataclass(eq=False)
 class LayerPacks:
     """The packed weights of one MoE layer (module doc) and what they are valid for."""

@@ -28,6 +28,7 @@ from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import paged_attention
+from kvshare.model import attention_native
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
@@ -72,14 +73,18 @@ class Attention(nn.Module):
         t = x.shape[0]
         pos = ctx.positions
         rope = ctx.rope_for(self.ratio)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        owned = self.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
-        if owned:
-            q = rms_normalize_as(q, self.cfg.rms_norm_eps)
-        q = rope.rotate(q, pos, inplace=owned)
-
-        kv = self.quantizer.window(rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True))
+        fused = attention_native.project_in(self, x, pos, rope)  # the same bits in one native call
+        if fused is not None:
+            qr, q, kv = fused
+        else:
+            qr = self.q_norm(self.wq_a(x))
+            q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
+            owned = self.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
+            if owned:
+                q = rms_normalize_as(q, self.cfg.rms_norm_eps)
+            q = rope.rotate(q, pos, inplace=owned)
+            kv = rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True)
+        kv = self.quantizer.window(kv)
         scale, batch, addr = self.head_dim**-0.5, ctx.batch, ctx.addr
         if invariant.is_on():
             return self.project_out(self._attend_rows(ctx, x, qr, q, kv, scale), pos, rope)
@@ -101,6 +106,9 @@ class Attention(nn.Module):
 
     def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
         """Inverse RoPE at the query positions, then grouped ``wo_a`` and ``wo_b`` ([T, H, d] -> [T, D])."""
+        y = attention_native.project_out(self, o, pos, rope)  # the same bits in one native call
+        if y is not None:
+            return y
         o = rope.rotate(o, pos, inverse=True, inplace=True)  # o: the attention's fresh output
         g = self.n_groups
         wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)

@@ -96,6 +96,11 @@ class RotaryEmbedding(nn.Module):
         self._tables[key] = (positions, (c, s, -s))
         return c, s, -s
 
+    def native_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(C, S, -S) [P, rope_dim] fp32 on the CPU for positions [P]: the tables `rotate`'s native
+        path hands `kernels.decode.rope` (shared with it, built once per positions tensor)."""
+        return self.pair_tables(positions, self._freqs_at(_CPU32))
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False, *,
                inplace: bool = False) -> torch.Tensor:
         """x[..., -rope_dim:] rotated by +angle (or -angle when `inverse`); other dims untouched.

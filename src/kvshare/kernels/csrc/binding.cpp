@@ -706,6 +706,26 @@ static torch::Tensor mhc_head(torch::Tensor h, c10::optional<torch::Tensor> fn, 
   return x;
 }
 
+#include "attn_proj.h"
+
+// ---- attention's input and output projections in one call each (attn_proj.h); the FP8 rounding is
+// this file's `fake_quant_fp8` ----
+static c10::optional<std::vector<torch::Tensor>> attn_in(torch::Tensor x, std::vector<torch::Tensor> packs,
+                                                         torch::Tensor meta, std::vector<torch::Tensor> watch,
+                                                         torch::Tensor stamps, torch::Tensor q_norm_w,
+                                                         torch::Tensor kv_norm_w, double eps, torch::Tensor c,
+                                                         torch::Tensor s, int64_t heads, bool head_norm,
+                                                         int64_t x_block, int64_t qr_block, const std::string& isa) {
+  return kk::attn_in(x, kk::ProjSet{packs, meta, watch, stamps}, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm,
+                     x_block, qr_block, isa, &fake_quant_fp8);
+}
+
+static c10::optional<torch::Tensor> attn_out(torch::Tensor o, std::vector<torch::Tensor> packs, torch::Tensor meta,
+                                             std::vector<torch::Tensor> watch, torch::Tensor stamps, torch::Tensor c,
+                                             torch::Tensor s, int64_t u_block, const std::string& isa) {
+  return kk::attn_out(o, kk::ProjSet{packs, meta, watch, stamps}, c, s, u_block, isa, &fake_quant_fp8);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -735,4 +755,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("mhc_boundary", &mhc_boundary, "expand into the streams, then mhc_enter of the next sublayer (mhc.h)");
   mod.def("mhc_leave", &mhc_leave, "mhc_expand of inputs of any strides (mhc.h)");
   mod.def("mhc_head", &mhc_head, "the model's final mHC collapse (V4: with the head's pre) and norm (mhc.h)");
+  mod.def("attn_in", &attn_in, "attention's qr, normed and rotated q and kv from x in one call (attn_proj.h)");
+  mod.def("attn_out", &attn_out, "attention's inverse RoPE, grouped wo_a and wo_b in one call (attn_proj.h)");
 }

@@ -1,0 +1,88 @@
+"""Attention's input and output projections in one native call each (csrc/attn_proj.cpp).
+
+`attn_in(x, ...)` computes what `Attention.forward` computes before the attention, bitwise:
+``qr = q_norm(wq_a(x))``, ``q = RoPE((V4: per-head RMSNorm of) wq_b(qr))`` and
+``kv = RoPE(kv_norm(wkv(x)))``, with the FP8 rounding of the GEMM inputs where the model has it;
+`attn_out(o, ...)` what `Attention.project_out` computes: the inverse RoPE of o (in place), each
+group's ``wo_a`` product, then ``wo_b``. The GEMMs are the C++ functions `kernels.linear` calls,
+with its ISA (`best_isa`), padding and thread split; RMSNorm, RoPE and the FP8 rounding are
+`kernels.decode`'s. So the bits are the torch path's in the batch-invariant mode, by construction.
+
+**The pack set** (`ProjPacks`, `pack_set`; `model/attention_native.py` keeps it on the module): the
+packs of wq_a, wq_b, wkv, each wo_a group and wo_b, taken from where the torch path takes them
+(an FP8 / FP4 checkpoint weight's own `Packed`, else `ops.invariant.native_pack` of the dense
+weight or group view), so nothing is packed twice. It is stale when a watched tensor changed its
+address, dtype or in-place version (checked in C++ on every call: the call returns None); the
+caller also rebuilds it after any parameter or submodule registration (`kernels.moe.generation`).
+
+``KVSHARE_NATIVE_ATTN_PROJ=off`` (or `set_enabled(False)`) keeps the torch composition.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.kernels.build import best_isa, library
+from kvshare.kernels.packed import FORMAT_ID, Packed
+
+_SWITCH: dict[str, bool | None] = {"on": None}
+
+
+def set_enabled(on: bool | None) -> None:
+    """Force the fused projections on / off for this process (None: back to the environment)."""
+    _SWITCH["on"] = on
+
+
+def enabled() -> bool:
+    """Whether the fused projections may serve (the caller checks the rest: mode, dtype, packs)."""
+    forced = _SWITCH["on"]
+    if forced is not None:
+        return forced
+    return os.environ.get("KVSHARE_NATIVE_ATTN_PROJ", "").lower() not in ("off", "0", "torch")
+
+
+@dataclass(eq=False)
+class ProjPacks:
+    """The packed projections of one attention layer (module doc) and what they are valid for."""
+
+    tensors: list[torch.Tensor]  # data, exps of linear l: wq_a, wq_b, wkv, wo_a groups 0..G-1, wo_b
+    meta: torch.Tensor  # int64 [4 + G, 6]: fmt, n, k, kp, block, group_exps
+    watch: list[torch.Tensor]
+    stamps: torch.Tensor  # int64 [len(watch), 3] (csrc/moe.h `moe_stamps`)
+    act_dtype: torch.dtype
+
+
+def pack_set(linears: list[Packed], watch: list[torch.Tensor]) -> ProjPacks | None:
+    """The pack set from the packs in `ProjPacks.tensors`' order and the tensors whose change makes
+    it stale; None without the native library or when the packs take different activation dtypes."""
+    lib = library()
+    dtypes = {p.act_dtype for p in linears}
+    if lib is None or len(linears) < 5 or len(dtypes) != 1:
+        return None
+    tensors, meta = [], []
+    for p in linears:
+        tensors += [p.data, p.exps]
+        meta.append([FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, int(p.fmt == "fp8" and p.exps.dim() == 2)])
+    return ProjPacks(tensors, torch.tensor(meta, dtype=torch.int64), watch, lib.moe_stamps(watch), dtypes.pop())
+
+
+def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: torch.Tensor, eps: float,
+            c: torch.Tensor, s: torch.Tensor, heads: int, head_norm: bool, x_block: int, qr_block: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(qr [T, q_lora], q [T, H, d], kv [T, d]) in x's dtype for x [T, D] (`packs.act_dtype`):
+    q_norm / kv_norm the fp32 RMSNorm weights, c, s [T, rd] fp32 the positions' RoPE tables,
+    `head_norm` V4's per-head RMSNorm of q, `x_block` / `qr_block` the FP8 blocks of the wq_a / wkv
+    and wq_b inputs (0: none). None when a watched weight changed (rebuild the packs, call again)."""
+    out = library().attn_in(x, packs.tensors, packs.meta, packs.watch, packs.stamps, q_norm, kv_norm, eps, c, s,
+                            heads, head_norm, x_block, qr_block, best_isa())
+    return None if out is None else (out[0], out[1], out[2])
+
+
+def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Tensor, u_block: int) -> torch.Tensor | None:
+    """[T, D] in o's dtype from the attention output o [T, H, d] (contiguous; rotated back in place
+    by the tables c, s_neg [T, rd] fp32: the inverse rotation's), `u_block` the FP8 block of wo_b's
+    input (0: none). None when a watched weight changed."""
+    return library().attn_out(o, packs.tensors, packs.meta, packs.watch, packs.stamps, c, s_neg, u_block, best_isa())

@@ -1,0 +1,44 @@
+// Attention's input and output projections in one call each (attn_proj.cpp, model/attention.py),
+// composed of the existing kernels in the torch path's order, so the torch path's bits:
+//   attn_in:  x -> [FP8] -> wq_a -> q_norm = qr;  qr -> [FP8] -> wq_b -> (V4: per-head RMSNorm) -> RoPE = q;
+//             x -> [FP8] -> wkv -> kv_norm -> RoPE = kv
+//   attn_out: o -> inverse RoPE (in place) -> per group g: o[:, g] wo_a[g]^T -> u -> [FP8] -> wo_b
+// GEMMs: packed_gemm (binding.cpp `gemm`'s arithmetic); RMSNorm / RoPE: decode.h's `rms_norm` /
+// `rope`; [FP8]: binding.cpp's `fake_quant_fp8` (when the block is > 0). Every row is computed
+// from its own inputs alone (row-invariant).
+#pragma once
+#include <torch/extension.h>
+#include <string>
+#include <vector>
+#include "moe.h"  // FakeQuantFn
+
+namespace kvshare_kernels {
+
+// The pack set (kernels/attn_proj.py `ProjPacks`): linear l has meta row l (packed_gemm.h's
+// PACKED_META fields) and tensors packs[2 l] (data), packs[2 l + 1] (exps), in the order
+// wq_a, wq_b, wkv, wo_a group 0 .. G-1, wo_b. `watch` / `stamps`: moe.h's `moe_stamps` key; a
+// mismatch means a weight changed since the packs were made, and the calls return nothing.
+struct ProjSet {
+  const std::vector<torch::Tensor>& packs;
+  const torch::Tensor& meta;
+  const std::vector<torch::Tensor>& watch;
+  const torch::Tensor& stamps;
+};
+
+// (qr [T, q_lora], q [T, H, d], kv [T, d]) in x's dtype for x [T, D] (bf16 / fp32): q_norm_w
+// [q_lora] and kv_norm_w [d] fp32 RMSNorm weights, eps; c, s [T, rd] fp32 RoPE tables (the
+// positions' (C, S), model/rope.py); head_norm: V4's weightless per-head RMSNorm of q; x_block /
+// qr_block: FP8 blocks of the wq_a / wkv and the wq_b inputs (0: none). nullopt when stale.
+c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x, const ProjSet& set, const torch::Tensor& q_norm_w,
+                                   const torch::Tensor& kv_norm_w, double eps, const torch::Tensor& c,
+                                   const torch::Tensor& s, int64_t heads, bool head_norm, int64_t x_block,
+                                   int64_t qr_block, const std::string& isa, FakeQuantFn quant);
+
+// [T, D] in o's dtype for the attention output o [T, H, d] (contiguous; rotated in place by the
+// tables c, s [T, rd] fp32 — the inverse rotation's (C, -S)); u_block: FP8 block of wo_b's input
+// (0: none). nullopt when stale.
+c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set, const torch::Tensor& c,
+                                      const torch::Tensor& s, int64_t u_block, const std::string& isa,
+                                      FakeQuantFn quant);
+
+}  // namespace kvshare_kernels
