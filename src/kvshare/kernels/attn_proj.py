@@ -81,7 +81,8 @@ def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: to
     return None if out is None else (out[0], out[1], out[2])
 
 
-def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Tensor, u_block: int) -> torch.Tensor | None:
+def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Tensor, u_block: int
+             ) -> torch.Tensor | None:
     """[T, D] in o's dtype from the attention output o [T, H, d] (contiguous; rotated back in place
     by the tables c, s_neg [T, rd] fp32: the inverse rotation's), `u_block` the FP8 block of wo_b's
     input (0: none). None when a watched weight changed."""

@@ -27,6 +27,8 @@ from torch import nn
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.moe import generation
+from kvshare.kernels.packed import Packed
+from kvshare.model.linear import Linear
 from kvshare.model.quantize import QuantMode, fit_block
 from kvshare.ops import invariant
 
@@ -106,7 +108,7 @@ def fused_of(attn: "Attention") -> Fused | None:
     return f
 
 
-def _pack(lin: nn.Module, w: torch.Tensor | None = None):
+def _pack(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:
     """(pack, watched tensor) of a linear (or of `w`, a view of its weight) as the torch path uses
     it: the FP8 / FP4 checkpoint pack, else `invariant.native_pack`; None when it has neither."""
     if w is None and lin.qweight is not None:
@@ -115,7 +117,13 @@ def _pack(lin: nn.Module, w: torch.Tensor | None = None):
     return None if p is None else (p, lin.weight)
 
 
+def _hook_dicts(*mods: nn.Module) -> tuple[dict, ...]:
+    return tuple(d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks))
+
+
 def _build(attn: "Attention") -> Fused | None:
+    """The layer's `Fused` from its current weights, or None where the fused calls cannot give the
+    torch path's bits (see the module doc)."""
     cfg, g = attn.cfg, attn.n_groups
     qlin = (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_b)
     norms = (attn.q_norm, attn.kv_norm)
@@ -134,8 +142,8 @@ def _build(attn: "Attention") -> Fused | None:
         return None
     blocks = (fit_block(attn.wq_a.in_features, attn.wq_a.block), fit_block(attn.wq_b.in_features, attn.wq_b.block),
               fit_block(attn.wo_b.in_features, attn.wo_b.block))
-    hooks = lambda *mods: tuple(d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks))  # noqa: E731
     with torch.no_grad():
         norm32 = tuple(n.weight.detach().float() for n in norms)
     return Fused(packs, norm32, attn.wq_a.mode, blocks, cfg.arch == "v4",
-                 hooks(attn.wq_a, attn.q_norm, attn.wq_b, attn.wkv, attn.kv_norm), hooks(attn.wo_a, attn.wo_b))
+                 _hook_dicts(attn.wq_a, attn.q_norm, attn.wq_b, attn.wkv, attn.kv_norm),
+                 _hook_dicts(attn.wo_a, attn.wo_b))
