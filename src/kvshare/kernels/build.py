@@ -40,9 +40,17 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvshare" / "kernels"
 
 
+#: compiler flags (part of the cache key). -fopenmp: the kernels' ``at::parallel_for`` splits rows /
+#: weight groups over torch's intra-op threads (without it the loop runs on the calling thread);
+#: every split leaves each output's arithmetic unchanged, so the bits do not depend on the threads.
+CFLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
 def source_hash() -> str:
-    """Hash of every source and header file plus the torch version (the cache key)."""
+    """Hash of every source and header file, the compiler flags and the torch version (the cache key)."""
     h = hashlib.sha256(torch.__version__.encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     for name in SOURCES + _HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
@@ -95,7 +103,7 @@ def library() -> ModuleType | None:
             return built
         _clear_stale_lock(build_dir)
         return load(name=f"kvshare_kernels_{key}", sources=[str(CSRC / s) for s in SOURCES],
-                    extra_cflags=["-O3", "-fno-math-errno"], extra_include_paths=[str(CSRC)],
+                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)],
                     build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no ninja, a compile error: run the torch path
         log.warning("kvshare kernels: native library unavailable (%s: %s); using the pure-torch path",
