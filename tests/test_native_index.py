@@ -26,6 +26,7 @@ import torch
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
+from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import index_topk
 from kvshare.model import Transformer
@@ -127,6 +128,8 @@ def test_engine_native_picks_equal_the_torch_selection(dtype: torch.dtype, monke
         return got
 
     monkeypatch.setattr(Indexer, "native_select", both)
+    # the fused query call (tests/test_indexer_fused.py) would stand for native_select: off here
+    monkeypatch.setattr(attn_proj, "enabled", lambda: False)
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1], block_size=128,
                     num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17)
     rng = random.Random(6)

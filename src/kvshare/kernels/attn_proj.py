@@ -60,7 +60,7 @@ def pack_set(linears: list[Packed], watch: list[torch.Tensor]) -> ProjPacks | No
     it stale; None without the native library or when the packs take different activation dtypes."""
     lib = library()
     dtypes = {p.act_dtype for p in linears}
-    if lib is None or len(linears) < 5 or len(dtypes) != 1:
+    if lib is None or not linears or len(dtypes) != 1:
         return None
     tensors, meta = [], []
     for p in linears:
@@ -87,3 +87,15 @@ def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Te
     by the tables c, s_neg [T, rd] fp32: the inverse rotation's), `u_block` the FP8 block of wo_b's
     input (0: none). None when a watched weight changed."""
     return library().attn_out(o, packs.tensors, packs.meta, packs.watch, packs.stamps, c, s_neg, u_block, best_isa())
+
+
+def index_select(qr: torch.Tensor, x: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s: torch.Tensor, heads: int,
+                 scale: float, qr_block: int, keys: torch.Tensor, keys_dtype: torch.dtype, seq: torch.Tensor,
+                 counts: torch.Tensor, k: int, tables: torch.Tensor | None = None, ratio: int = 1,
+                 block_size: int = 1) -> torch.Tensor | None:
+    """The indexer's picks [T, k] (`kernels.attn.index_topk`'s) from its inputs in one call: q = RoPE(wq_b(
+    [FP8] qr)) by the tables c, s [T, rd], w = fp32(weights_proj(x)) * scale, for the pack set (wq_b,
+    weights_proj); keys as `index_topk` takes them. None when a watched weight changed."""
+    return library().index_select(qr, x, packs.tensors, packs.meta, packs.watch, packs.stamps, c, s, heads, scale,
+                                  qr_block, best_isa(), keys, keys_dtype == torch.bfloat16, tables, seq, counts, ratio,
+                                  block_size, k)

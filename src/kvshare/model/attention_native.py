@@ -52,22 +52,24 @@ class Fused:
     out_hooks: tuple[dict, ...]
 
 
-def _hooked(hooks: tuple[dict, ...]) -> bool:
+def hooked(hooks: tuple[dict, ...]) -> bool:
+    """Whether any of the hook dicts (`hook_dicts`) or torch's global module hooks holds a hook."""
     return any(hooks) or any(_GLOBAL_HOOKS)
 
 
-def _serves(x: torch.Tensor) -> bool:
+def serves(x: torch.Tensor) -> bool:
+    """Whether a fused projection may take x: a batch-invariant native forward without autograd."""
     return invariant.is_on() and attn_proj.enabled() and native.serves(x) and not torch.is_grad_enabled()
 
 
 def project_in(attn: "Attention", x: torch.Tensor, pos: torch.Tensor, rope: "RotaryEmbedding"
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(qr, q [T, H, d] normed (V4) and rotated, kv [T, d] normed and rotated) for x [T, D], or None."""
-    if not _serves(x) or x.dim() != 2 or pos.dim() != 1:
+    if not serves(x) or x.dim() != 2 or pos.dim() != 1:
         return None
     for _ in range(2):  # a pack set found stale in C++ is rebuilt once
         f = fused_of(attn)
-        if f is None or x.dtype != f.packs.act_dtype or _hooked(f.in_hooks):
+        if f is None or x.dtype != f.packs.act_dtype or hooked(f.in_hooks):
             return None
         c, s, _ = rope.native_tables(pos)
         xb, qb, _ = f.blocks if f.mode.act else (0, 0, 0)
@@ -81,11 +83,11 @@ def project_in(attn: "Attention", x: torch.Tensor, pos: torch.Tensor, rope: "Rot
 
 def project_out(attn: "Attention", o: torch.Tensor, pos: torch.Tensor, rope: "RotaryEmbedding") -> torch.Tensor | None:
     """[T, D] from the attention output o [T, H, d] (rotated back in place, as the torch path does), or None."""
-    if not _serves(o) or o.dim() != 3 or not o.is_contiguous() or pos.dim() != 1:
+    if not serves(o) or o.dim() != 3 or not o.is_contiguous() or pos.dim() != 1:
         return None
     for _ in range(2):
         f = fused_of(attn)
-        if f is None or o.dtype != f.packs.act_dtype or _hooked(f.out_hooks):
+        if f is None or o.dtype != f.packs.act_dtype or hooked(f.out_hooks):
             return None
         c, _, s_neg = rope.native_tables(pos)
         y = attn_proj.attn_out(o, f.packs, c, s_neg, f.blocks[2] if f.mode.act else 0)
@@ -108,7 +110,7 @@ def fused_of(attn: "Attention") -> Fused | None:
     return f
 
 
-def _pack(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:
+def pack_of(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:
     """(pack, watched tensor) of a linear (or of `w`, a view of its weight) as the torch path uses
     it: the FP8 / FP4 checkpoint pack, else `invariant.native_pack`; None when it has neither."""
     if w is None and lin.qweight is not None:
@@ -117,7 +119,8 @@ def _pack(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Ten
     return None if p is None else (p, lin.weight)
 
 
-def _hook_dicts(*mods: nn.Module) -> tuple[dict, ...]:
+def hook_dicts(*mods: nn.Module) -> tuple[dict, ...]:
+    """The forward and forward-pre hook dicts of `mods` (a fused call stands for their forwards)."""
     return tuple(d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks))
 
 
@@ -133,8 +136,8 @@ def _build(attn: "Attention") -> Fused | None:
             or min(attn.head_dim, attn.wq_a.out_features) < 8):  # narrower rows: torch's own RMSNorm
         return None
     wo_a = attn.wo_a.weight.view(g, cfg.o_lora_rank, -1)  # the torch path's group views (their packs)
-    got = [_pack(attn.wq_a), _pack(attn.wq_b), _pack(attn.wkv),
-           *(_pack(attn.wo_a, wo_a[i]) for i in range(g)), _pack(attn.wo_b)]
+    got = [pack_of(attn.wq_a), pack_of(attn.wq_b), pack_of(attn.wkv),
+           *(pack_of(attn.wo_a, wo_a[i]) for i in range(g)), pack_of(attn.wo_b)]
     if any(x is None for x in got):
         return None
     packs = attn_proj.pack_set([p for p, _ in got], [w for _, w in got] + [n.weight for n in norms])
@@ -145,5 +148,5 @@ def _build(attn: "Attention") -> Fused | None:
     with torch.no_grad():
         norm32 = tuple(n.weight.detach().float() for n in norms)
     return Fused(packs, norm32, attn.wq_a.mode, blocks, cfg.arch == "v4",
-                 _hook_dicts(attn.wq_a, attn.q_norm, attn.wq_b, attn.wkv, attn.kv_norm),
-                 _hook_dicts(attn.wo_a, attn.wo_b))
+                 hook_dicts(attn.wq_a, attn.q_norm, attn.wq_b, attn.wkv, attn.kv_norm),
+                 hook_dicts(attn.wo_a, attn.wo_b))

@@ -28,6 +28,7 @@ from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import index_topk
 from kvshare.model.compressor import Compressor, Emitted
+from kvshare.model import indexer_native
 from kvshare.model.context import StepContext
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm
@@ -84,6 +85,10 @@ class Indexer(nn.Module):
         pre = ctx.addr.prefix(self.ratio)
         if self.every_entry_fits(pre.width):
             return ctx.addr.causal_picks(self.ratio, self.cfg.index_topk)
+        if self.native_serves(ctx, qr):  # the projections and the top-k in one call, the same picks
+            picks = indexer_native.select(self, ctx, x, qr)
+            if picks is not None:
+                return picks
         t = x.shape[0]
         pos = ctx.positions
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
@@ -126,8 +131,8 @@ class Indexer(nn.Module):
     def native_serves(self, ctx: StepContext, q: torch.Tensor) -> bool:
         """Whether `native_select` takes this call: a batch-invariant forward with the native
         attention kernels on (the switch of the kernels whose sums are their own), bf16 / fp32
-        queries, no candidate blocks and no tie log (both need the scores)."""
-        return (invariant.is_on() and q.shape[-1] % 8 == 0 and ctx.ties is None and native.attention_enabled()
+        queries `q` (or their latents), no candidate blocks and no tie log (both need the scores)."""
+        return (invariant.is_on() and self.head_dim % 8 == 0 and ctx.ties is None and native.attention_enabled()
                 and native.serves(q) and not (self.plan.publishes_candidates or self.plan.uses_candidates))
 
     def native_select(self, ctx: StepContext, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ namespace {
 
 constexpr const char* kIn = "kernels.attn_in";
 constexpr const char* kOut = "kernels.attn_out";
+constexpr const char* kIdx = "kernels.index_query";
 
 // Whether every watched tensor still has the address, version and dtype it had when the packs were
 // made (moe_stamps' key).
@@ -25,11 +26,11 @@ bool stamps_match(const ProjSet& set, const char* who) {
 
 // The set's linears (wq_a, wq_b, wkv, wo_a groups, wo_b), checked, each taking `bf16` activations
 // or fp32 ones.
-std::vector<PackedLin> linears(const ProjSet& set, bool bf16, const char* who) {
+std::vector<PackedLin> linears(const ProjSet& set, bool bf16, const char* who, int64_t at_least = 5) {
   const auto& meta = set.meta;
   TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.is_contiguous() && meta.dim() == 2 &&
-              meta.size(1) == PACKED_META && meta.size(0) >= 5,
-              who, ": meta must be int64 [4 + groups, ", PACKED_META, "], got ", meta.sizes());
+              meta.size(1) == PACKED_META && meta.size(0) >= at_least,
+              who, ": meta must be int64 [>= ", at_least, ", ", PACKED_META, "], got ", meta.sizes());
   const int64_t n = meta.size(0);
   TORCH_CHECK(static_cast<int64_t>(set.packs.size()) == 2 * n, who, ": ", set.packs.size(), " pack tensors for ", n,
               " linears (expected ", 2 * n, ")");
@@ -167,6 +168,39 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set
   }
   const auto uq = u_block ? quant(u, u_block) : u;
   return linear_rows(wo_b, uq.data_ptr(), groups * rank, 0, t, opt, path);
+}
+
+c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in, const torch::Tensor& x_in,
+                                                      const ProjSet& set, const torch::Tensor& c, const torch::Tensor& s,
+                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa,
+                                                      FakeQuantFn quant) {
+  for (const auto* t : {&qr_in, &x_in})
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 &&
+                (t->scalar_type() == torch::kBFloat16 || t->scalar_type() == torch::kFloat32) &&
+                t->scalar_type() == qr_in.scalar_type() && t->size(0) == qr_in.size(0),
+                kIdx, ": qr and x must be bf16 / fp32 CPU tensors [T, .] of one dtype and T, got ", qr_in.sizes(), " ",
+                qr_in.scalar_type(), " and ", x_in.sizes(), " ", x_in.scalar_type());
+  if (!stamps_match(set, kIdx)) return c10::nullopt;
+  const GemmPath path = gemm_path(isa, kIdx);
+  const bool bf16 = qr_in.scalar_type() == torch::kBFloat16;
+  const auto lin = linears(set, bf16, kIdx, 2);
+  TORCH_CHECK(lin.size() == 2, kIdx, ": the set must hold wq_b and weights_proj, got ", lin.size(), " linears");
+  const PackedLin &wq_b = lin[0], &wp = lin[1];
+  const auto qr = qr_in.contiguous(), x = x_in.contiguous();
+  const int64_t t = qr.size(0), rank = qr.size(1), dim = x.size(1);
+  TORCH_CHECK(heads >= 1 && wq_b.k == rank && wq_b.n % heads == 0, kIdx, ": wq_b is ", wq_b.n, " x ", wq_b.k,
+              ", expected (", heads, " heads x d) x ", rank);
+  TORCH_CHECK(wp.k == dim && wp.n == heads, kIdx, ": weights_proj is ", wp.n, " x ", wp.k, ", expected ", heads,
+              " x ", dim);
+  const int64_t d = wq_b.n / heads, rd = rope_dims(c, s, t, d, kIdx);
+  check_block(qr_block, rank, "qr", kIdx);
+  const auto opt = qr.options();
+  const auto qrq = qr_block ? quant(qr, qr_block) : qr;
+  auto q = linear_rows(wq_b, qrq.data_ptr(), rank, 0, t, opt, path);
+  rope(q.data_ptr(), bf16, c.data_ptr<float>(), s.data_ptr<float>(), t, heads, d, rd, q.data_ptr());
+  // the torch path's wide(weights_proj(x)) * scale: the same conversion and scalar product
+  auto w = linear_rows(wp, x.data_ptr(), dim, 0, t, opt, path).to(torch::kFloat32).mul_(scale);
+  return std::vector<torch::Tensor>{q.view({t, heads, d}).to(torch::kFloat32), w};
 }
 
 }  // namespace kvshare_kernels

@@ -41,4 +41,13 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set
                                       const torch::Tensor& s, int64_t u_block, const std::string& isa,
                                       FakeQuantFn quant);
 
+// The lightning indexer's query side (model/indexer.py `Indexer.select`), the torch path's bits:
+// q = RoPE(wq_b([FP8] qr)) in qr's dtype, returned in fp32 [T, H, d]; w = fp32(weights_proj(x)) * scale
+// [T, H]. The set holds wq_b then weights_proj; qr_block: FP8 block of wq_b's input (0: none); c, s:
+// the positions' RoPE tables. nullopt when stale.
+c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr, const torch::Tensor& x,
+                                                      const ProjSet& set, const torch::Tensor& c, const torch::Tensor& s,
+                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa,
+                                                      FakeQuantFn quant);
+
 }  // namespace kvshare_kernels

@@ -726,6 +726,22 @@ static c10::optional<torch::Tensor> attn_out(torch::Tensor o, std::vector<torch:
   return kk::attn_out(o, kk::ProjSet{packs, meta, watch, stamps}, c, s, u_block, isa, &fake_quant_fp8);
 }
 
+// The indexer's query side and its top-k in one call (`kernels.attn_proj.index_select`): index_query,
+// then `index_topk` over the keys (in place with `tables`, else gathered rows). nullopt when stale.
+static c10::optional<torch::Tensor> index_select(torch::Tensor qr, torch::Tensor x, std::vector<torch::Tensor> packs,
+                                                 torch::Tensor meta, std::vector<torch::Tensor> watch,
+                                                 torch::Tensor stamps, torch::Tensor c, torch::Tensor s, int64_t heads,
+                                                 double scale, int64_t qr_block, const std::string& isa,
+                                                 torch::Tensor keys, bool keys_bf16, c10::optional<torch::Tensor> tables,
+                                                 torch::Tensor seq, torch::Tensor counts, int64_t ratio,
+                                                 int64_t block_size, int64_t k) {
+  auto qw = kk::index_query(qr, x, kk::ProjSet{packs, meta, watch, stamps}, c, s, heads, scale, qr_block, isa,
+                            &fake_quant_fp8);
+  if (!qw.has_value()) return c10::nullopt;
+  return index_topk((*qw)[0], (*qw)[1], keys, keys_bf16, tables, seq.contiguous(), counts.contiguous(), ratio,
+                    block_size, k);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gemm", &gemm, "y = x W^T in the fixed reduction order (see gemm_body.h)");
   mod.def("mhc_post", &mhc_post, "mHC pre, post and Sinkhorn-normalised comb of decode rows (decode.h)");
@@ -749,6 +765,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("moe_stamps", &kk::moe_stamps, "(data_ptr, version, dtype) of tensors: a MoE pack set's key (moe.h)");
   mod.def("paged_attention", &paged_attention, "sparse attention with a sink over keys read in place (attn.h)");
   mod.def("index_topk", &index_topk, "lightning-indexer scores and stable top-k over keys read in place (index.h)");
+  mod.def("index_select", &index_select, "the indexer's query projections, RoPE, head weights and top-k in one call");
   mod.def("project_wide", &project_wide, "fp32 projection of bf16 / fp32 rows with an optional per-position row added");
   mod.def("moe_gate", &moe_gate, "a MoE layer's gate: fp32 logits, scores, stable top-k, normalised and scaled weights");
   mod.def("mhc_enter", &mhc_enter, "a sublayer's mHC mixes, collapse and norm in one call (mhc.h)");
