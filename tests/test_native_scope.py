@@ -55,3 +55,29 @@ def test_a_float64_model_forward_never_reaches_the_kernels(monkeypatch: pytest.M
     while eng.has_unfinished_requests():
         finished += [o for o in eng.step() if o.finished]
     assert [(o.finish_reason, o.error, len(o.token_ids)) for o in finished] == [("length", None, 3)]
+
+
+def test_registered_switches_are_decided_once_per_forward() -> None:
+    """`kernels.mhc` and `kernels.attn_proj` register their switches (`scoped_switch`): inside a scope
+    `enabled()` answers what was decided at entry (the switch flipped inside does not change it; the
+    next forward sees it), a float64 model's scope says False, and outside a scope the switch is
+    asked. Mutation caught: the scope storing the switches without the `on` of the forward (the
+    float64 scope then answers True)."""
+    from kvshare.kernels import attn_proj, mhc
+
+    with torch.no_grad():
+        for mod in (mhc, attn_proj):
+            try:
+                with native.forward_scope(torch.bfloat16, torch.device("cpu")):
+                    assert mod.enabled()
+                    mod.set_enabled(False)
+                    assert mod.enabled()  # decided at the forward's entry
+                assert not mod.enabled()  # outside a scope: the switch itself
+                with native.forward_scope(torch.bfloat16, torch.device("cpu")):
+                    assert not mod.enabled()
+                mod.set_enabled(None)
+                with native.forward_scope(torch.float64, torch.device("cpu")):
+                    assert not mod.enabled()
+                assert mod.enabled()
+            finally:
+                mod.set_enabled(None)

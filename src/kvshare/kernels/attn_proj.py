@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.kernels import decode as native
 from kvshare.kernels.build import best_isa, library
 from kvshare.kernels.packed import FORMAT_ID, Packed
 
@@ -37,11 +38,20 @@ def set_enabled(on: bool | None) -> None:
 
 
 def enabled() -> bool:
-    """Whether the fused projections may serve (the caller checks the rest: mode, dtype, packs)."""
+    """Whether the fused projections may serve (the caller checks the rest: mode, dtype, packs);
+    inside a forward, the `decode.forward_scope`'s answer."""
+    held = native.held("attn_proj")
+    return _decide() if held is None else held
+
+
+def _decide() -> bool:
     forced = _SWITCH["on"]
     if forced is not None:
         return forced
     return os.environ.get("KVSHARE_NATIVE_ATTN_PROJ", "").lower() not in ("off", "0", "torch")
+
+
+native.scoped_switch("attn_proj", _decide)
 
 
 @dataclass(eq=False)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -101,9 +101,26 @@ def enabled() -> bool:
     return best_isa() != "torch"
 
 
+_SCOPED: dict[str, Callable[[], bool]] = {}
+
+
+def scoped_switch(name: str, decide: Callable[[], bool]) -> None:
+    """Register another module's switch (`kernels.mhc`, `kernels.attn_proj`): `forward_scope` asks
+    `decide` once per forward (where the kernels serve the forward at all) and `held(name)` answers it."""
+    _SCOPED[name] = decide
+
+
+def held(name: str) -> bool | None:
+    """The current `forward_scope`'s answer for the registered switch `name` (None outside a scope
+    or where the scope decided nothing)."""
+    switches = getattr(_scope, "switches", None)
+    return None if switches is None else switches.get(name)
+
+
 @contextmanager
 def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Decide once, for a whole model forward, what `serves` and `attention_enabled` answer.
+    """Decide once, for a whole model forward, what `serves`, `attention_enabled` and the registered
+    switches (`scoped_switch`) answer.
 
     Invariant the callers keep: inside a forward of a model whose activations are `dtype` on
     `device`, every tensor handed to `serves` is such an activation or its fp32 widening (`wide`),
@@ -112,15 +129,16 @@ def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     the scope decides nothing (tensors may then require grad one by one). Nested scopes restore
     the outer answer on exit.
     """
-    prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None))
-    _scope.serves = _scope.attention = None  # (so attention_enabled() below asks the switches)
+    prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None), getattr(_scope, "switches", None))
+    _scope.serves = _scope.attention = _scope.switches = None  # (so the answers below ask the switches)
     if not torch.is_grad_enabled():
         on = enabled() and device.type == "cpu" and dtype in _FLOATS
         _scope.serves, _scope.attention = on, on and attention_enabled()
+        _scope.switches = {name: on and decide() for name, decide in _SCOPED.items()}
     try:
         yield
     finally:
-        _scope.serves, _scope.attention = prev
+        _scope.serves, _scope.attention, _scope.switches = prev
 
 
 def serves(*tensors: torch.Tensor) -> bool:

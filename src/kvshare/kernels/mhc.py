@@ -43,13 +43,22 @@ def set_enabled(on: bool | None) -> None:
 
 
 def enabled() -> bool:
-    """Whether the model makes the fused mHC calls (see module doc)."""
+    """Whether the model makes the fused mHC calls (see module doc); inside a forward, the
+    `decode.forward_scope`'s answer."""
+    held = native.held("mhc")
+    return _decide() if held is None else held
+
+
+def _decide() -> bool:
     forced = _SWITCH["on"]
     if forced is False:
         return False
     if forced is None and os.environ.get("KVSHARE_NATIVE_MHC", "").lower() in ("off", "0", "torch"):
         return False
     return native.enabled()
+
+
+native.scoped_switch("mhc", _decide)
 
 
 def _fp32_pack(fn: Packed | None) -> torch.Tensor:
