@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line itself (not a caller passing arguments): huge pages first
+        from kvshare.hugepages import reexec_if_wanted
+
+        reexec_if_wanted(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
