@@ -23,7 +23,6 @@ the hook check dropped; bf16 norm weights passed through without their fp32 copy
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ from torch import nn
 
 from kvshare.config import ModelConfig, load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.build import library
@@ -42,7 +40,7 @@ from kvshare.model.dtypes import cast_model
 from kvshare.model.loader import load_model
 from kvshare.model.norm import rms_normalize_as
 from kvshare.ops.invariant import active
-from test_engine_exact import spy_logits
+from test_engine_exact import greedy_random_run, spy_logits
 from test_kernels_model import _quantised_checkpoint
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable (torch path only)")
@@ -328,14 +326,7 @@ def _serve(name: str, dtype: torch.dtype, fused: bool, monkeypatch: pytest.Monke
     eng = LLMEngine(model, batch_invariant=True, dtype=str(dtype).split(".")[1], block_size=128 if v4 else 16,
                     num_blocks=12 if v4 else 40, max_num_seqs=4, max_num_batched_tokens=19)
     rows = spy_logits(eng)
-    rng = random.Random(4)
-    for i, n in enumerate((37, 5, 23, 140)):
-        eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    done = {}
-    with torch.inference_mode():
-        while eng.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    done = greedy_random_run(eng, model.cfg.vocab_size, (37, 5, 23, 140), seed=4)
     monkeypatch.undo()
     return done, rows, calls[0], model.cfg.num_hidden_layers
 

@@ -60,7 +60,8 @@ def test_entries_match_the_pooling_formula_across_chunks(ratio: int, overlap: bo
     got = {}
     for lo, hi in ((0, cut), (cut, x.shape[0])):
         batch = StepBatch.build([lo], [hi - lo], [0])
-        ctx = SimpleNamespace(positions=batch.positions, seq_index=batch.seq_index, batch=batch, cache=cache)
+        ctx = SimpleNamespace(positions=batch.positions, seq_index=batch.seq_index, batch=batch, cache=cache,
+                              addr=batch.addresses())
         with torch.no_grad():
             out = comp(x[lo:hi], ctx, 0)
         got.update({int(j): out.latent[e] for e, j in enumerate(out.j)})

@@ -101,6 +101,21 @@ def spy_logits(eng: LLMEngine) -> dict[tuple[str, int], torch.Tensor]:
     return rows
 
 
+def greedy_random_run(eng: LLMEngine, vocab: int, lens, seed: int, max_tokens: int = 10) -> dict[str, list[int]]:
+    """Requests "0", "1", ... of random token ids below ``vocab - 1`` (lengths `lens`, drawn from
+    ``random.Random(seed)``), greedy with ignore_eos, stepped to the end in inference mode; each
+    request's output tokens."""
+    rng = random.Random(seed)
+    for i, n in enumerate(lens):
+        eng.add_request(str(i), [rng.randrange(vocab - 1) for _ in range(n)],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    return done
+
+
 def run_engine(model, prompts, **kw) -> tuple[dict[str, list[int]], dict[tuple[str, int], torch.Tensor], LLMEngine]:
     eng = LLMEngine(model, **kw)
     captured = spy_logits(eng)

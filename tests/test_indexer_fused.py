@@ -15,19 +15,19 @@ on every score of a row leaves its top-k as it is, so the picks are the same).
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.model import Transformer, indexer_native
 from kvshare.model.quantize import QuantMode
 from kvshare.precision import wide
+
+from test_engine_exact import greedy_random_run
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
 
@@ -57,13 +57,7 @@ def _run(dtype: torch.dtype, quant: QuantMode, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(indexer_native, "select", spy)
     eng = LLMEngine(model, batch_invariant=True, quantize=quant, dtype=str(dtype).split(".")[1],
                     block_size=128, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17)
-    rng = random.Random(8)
-    for i, n in enumerate((40, 9, 27)):
-        eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    with torch.inference_mode():
-        while eng.has_unfinished_requests():
-            eng.step()
+    greedy_random_run(eng, model.cfg.vocab_size, (40, 9, 27), seed=8)
     return same
 
 

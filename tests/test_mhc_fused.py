@@ -28,14 +28,12 @@ same order on both paths, so the same bits).
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused
 from kvshare.kernels import pack_fp32
@@ -43,7 +41,7 @@ from kvshare.model import Transformer
 from kvshare.model import mhc
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant
-from test_engine_exact import spy_logits
+from test_engine_exact import greedy_random_run, spy_logits
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
 
@@ -332,15 +330,7 @@ def _serve(name: str, dtype: torch.dtype, on: bool, monkeypatch: pytest.MonkeyPa
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1], max_num_seqs=4,
                     max_num_batched_tokens=19)
     rows = spy_logits(eng)
-    rng = random.Random(6)
-    for i, n in enumerate((37, 5, 23, 11)):
-        eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    done = {}
-    with torch.inference_mode():
-        while eng.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    return done, rows, calls
+    return greedy_random_run(eng, model.cfg.vocab_size, (37, 5, 23, 11), seed=6), rows, calls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -27,7 +27,7 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from test_engine_exact import spy_logits
+from test_engine_exact import greedy_random_run, spy_logits
 from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import paged_attention
@@ -222,14 +222,8 @@ def _serve(name: str, dtype: torch.dtype, in_place: bool, monkeypatch: pytest.Mo
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1],
                     block_size=128 if name == "tiny-v4" else 16, num_blocks=12 if name == "tiny-v4" else 40, max_num_seqs=4, max_num_batched_tokens=19)
     rows = spy_logits(eng)
-    rng = random.Random(4)
-    for i, n in enumerate((37, 5, 23, 140)):  # 140: the HCA layer of tiny-v4 gets an entry
-        eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    done = {}
-    with torch.inference_mode():
-        while eng.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    # 140: the HCA layer of tiny-v4 gets an entry
+    done = greedy_random_run(eng, model.cfg.vocab_size, (37, 5, 23, 140), seed=4, max_tokens=12)
     return done, rows, calls[0]
 
 

@@ -18,20 +18,20 @@ the pool tests).
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.engine.sampling import SamplingParams
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import index_topk
 from kvshare.model import Transformer
 from kvshare.model.indexer import Indexer
 from kvshare.ops.topk import select_topk
+
+from test_engine_exact import greedy_random_run
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
 
@@ -132,11 +132,5 @@ def test_engine_native_picks_equal_the_torch_selection(dtype: torch.dtype, monke
     monkeypatch.setattr(attn_proj, "enabled", lambda: False)
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1], block_size=128,
                     num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17)
-    rng = random.Random(6)
-    for i, n in enumerate((40, 9, 27)):
-        eng.add_request(str(i), [rng.randrange(model.cfg.vocab_size - 1) for _ in range(n)],
-                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    with torch.inference_mode():
-        while eng.has_unfinished_requests():
-            eng.step()
+    greedy_random_run(eng, model.cfg.vocab_size, (40, 9, 27), seed=6)
     assert len(calls) >= 2 * 10 and all(calls)

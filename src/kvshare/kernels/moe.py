@@ -25,12 +25,15 @@ kernels off, a weight the kernels do not serve, an activation dtype the packs do
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 
 from kvshare.kernels.build import best_isa, library
 from kvshare.kernels.packed import FORMAT_ID, Packed
+
+T = TypeVar("T")
 
 _GENERATION = [0]  # bumped whenever any module registers a parameter or a submodule
 
@@ -47,6 +50,18 @@ def generation() -> int:
     """How many parameters and submodules were registered anywhere so far (a pack set built at one
     generation is stale at a later one; `kernels.attn_proj` keys its packs on it too)."""
     return _GENERATION[0]
+
+
+def per_generation(module: nn.Module, key: str, build: Callable[[], T]) -> T:
+    """`build()`, kept on `module` under `key` for the current `generation` (the answer None too) and
+    built again after any parameter or submodule registration."""
+    held = module.__dict__.get(key)
+    gen = _GENERATION[0]
+    if held is not None and held[0] == gen:
+        return held[1]
+    value = build()
+    module.__dict__[key] = (gen, value)
+    return value
 
 
 @dataclass(eq=False)

@@ -26,7 +26,7 @@ from torch import nn
 
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
-from kvshare.kernels.moe import generation
+from kvshare.kernels.moe import per_generation
 from kvshare.kernels.packed import Packed
 from kvshare.model.linear import Linear
 from kvshare.model.quantize import QuantMode, fit_block
@@ -101,13 +101,7 @@ def fused_of(attn: "Attention") -> Fused | None:
     """The layer's `Fused`, or None where the fused calls do not serve this layer; built once per
     registration generation (`kernels.moe.generation`: a replaced parameter or submodule anywhere)
     and kept on the module with it, the negative answer too."""
-    held = attn.__dict__.get("_native_proj")
-    gen = generation()
-    if held is not None and held[0] == gen:
-        return held[1]
-    f = _build(attn)
-    attn.__dict__["_native_proj"] = (gen, f)
-    return f
+    return per_generation(attn, "_native_proj", lambda: _build(attn))
 
 
 def pack_of(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from kvshare import kernels
 from kvshare.kernels import decode as native
-from kvshare.kernels.moe import generation
+from kvshare.kernels.moe import per_generation
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant
@@ -86,21 +86,17 @@ class Compressor(nn.Module):
         if ape:
             self.ape = nn.Parameter(torch.zeros(ratio, self.coff * dim))
 
-    def _held(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(registration generation, wkv weight, wgate weight, APE or None) kept on the module per
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(wkv weight, wgate weight, APE or None) kept on the module per
         `kernels.moe.generation` (a replaced parameter or submodule anywhere starts a new one): the
         parameters without the module attribute lookups of every decode step."""
-        held = self.__dict__.get("_held_params")
-        gen = generation()
-        if held is None or held[0] != gen:
-            held = self.__dict__["_held_params"] = (gen, self.wkv.weight, self.wgate.weight,
-                                                   self.ape if self.has_ape else None)
-        return held
+        return per_generation(self, "_held_params", lambda: (self.wkv.weight, self.wgate.weight,
+                                                             self.ape if self.has_ape else None))
 
     def _fused_pack(self) -> "kernels.Packed | None":
         """The kernels' pack of ``cat([wide(wkv), wide(wgate)])`` (rows [a | z]), made once per version
         of the two weights; None where the kernels do not serve them (no native library, not CPU)."""
-        _, wkv, wgate, _ = self._held()
+        wkv, wgate, _ = self._held()
         key = (wkv.data_ptr(), version_of(wkv), wgate.data_ptr(), version_of(wgate), wkv.dtype, wgate.dtype)
         fused = self._fused
         if fused is not None and fused[0] == key:  # (a pack exists only where the checks below held)
@@ -123,7 +119,7 @@ class Compressor(nn.Module):
             return Emitted(groups, self.norm(self.wkv(x)))
 
         packed = self._fused_pack() if invariant.is_on() else None
-        ape = self._held()[3]
+        ape = self._held()[2]
         ape = None if ape is None else wide(ape)
         if packed is not None and packed.fmt == "fp32" and native.serves(x):
             # [a | z] and the APE in one call: each output is the fixed-order kernel's sum over K

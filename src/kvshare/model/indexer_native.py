@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvshare.kernels import attn_proj
-from kvshare.kernels.moe import generation
+from kvshare.kernels.moe import per_generation
 from kvshare.model.attention_native import hook_dicts, hooked, pack_of, serves
 from kvshare.model.quantize import fit_block
 
@@ -65,13 +65,7 @@ def select(idx: "Indexer", ctx: "StepContext", x: torch.Tensor, qr: torch.Tensor
 def fused_of(idx: "Indexer") -> FusedQuery | None:
     """The indexer's `FusedQuery`, or None where the fused call does not serve it; built once per
     registration generation (`kernels.moe.generation`) and kept on the module, the negative answer too."""
-    held = idx.__dict__.get("_native_query")
-    gen = generation()
-    if held is not None and held[0] == gen:
-        return held[1]
-    f = _build(idx)
-    idx.__dict__["_native_query"] = (gen, f)
-    return f
+    return per_generation(idx, "_native_query", lambda: _build(idx))
 
 
 def _build(idx: "Indexer") -> FusedQuery | None:

@@ -10,62 +10,10 @@
 #include <cstring>
 #include "decode.h"
 #include "gemm.h"
+#include "packed_gemm.h"
 
 namespace kvshare_kernels {
 namespace {
-
-// One packed weight of the layer (see gemm.h for the layouts).
-struct Lin {
-  int fmt;
-  int64_t n, k, kp, bk;
-  int group_exps;
-  const void* w;
-  const uint8_t* exps;
-};
-
-enum class Path { AMX, AVX512, AVX2 };
-
-// Bytes of a packed weight and entries of its exponents, as binding.cpp's `gemm` checks them.
-void check_lin(const Lin& l, const torch::Tensor& data, const torch::Tensor& exps, int64_t i) {
-  const bool f32 = l.fmt == FMT_FP32;
-  TORCH_CHECK(l.fmt >= 0 && l.fmt <= 3, "kernels.moe_experts: linear ", i, " has unknown format ", l.fmt);
-  TORCH_CHECK(data.is_contiguous() && exps.is_contiguous() && data.device().is_cpu() && exps.device().is_cpu(),
-              "kernels.moe_experts: packed weight ", i, " must be contiguous CPU tensors");
-  TORCH_CHECK(f32 || (l.kp % 2 == 0 && l.kp >= l.k && l.kp - l.k < 2), "kernels.moe_experts: linear ", i,
-              " has bad padded K ", l.kp);
-  TORCH_CHECK(l.fmt == FMT_BF16 || f32 || (l.bk >= 2 && l.bk <= 256 && l.bk % 2 == 0),
-              "kernels.moe_experts: linear ", i, " has bad scale block ", l.bk);
-  const int64_t groups = (l.n + 15) / 16;
-  const int64_t bytes = f32 ? groups * l.k * 64
-                            : groups * (l.kp / 2) * 16 * (l.fmt == FMT_FP8 ? 2 : 4) / (l.fmt == FMT_FP4 ? 4 : 1);
-  TORCH_CHECK(data.numel() * data.element_size() == bytes, "kernels.moe_experts: packed weight ", i, " has ",
-              data.numel() * data.element_size(), " bytes, expected ", bytes);
-  const int64_t n_exps = (l.fmt == FMT_BF16 || f32) ? 0 : groups * ((l.kp + l.bk - 1) / l.bk);
-  TORCH_CHECK(l.fmt == FMT_BF16 || f32 || exps.numel() == (l.group_exps ? n_exps : n_exps * 16),
-              "kernels.moe_experts: linear ", i, " has ", exps.numel(), " scale exponents");
-}
-
-// Whether the AMX tiles serve weight l (binding.cpp's rule: a property of the weight, never of M).
-bool uses_amx(const Lin& l, Path path) {
-  return path == Path::AMX && l.fmt != FMT_FP32 && l.kp % 32 == 0 && (l.fmt == FMT_BF16 || l.bk % 32 == 0);
-}
-
-// y [m][n] (x's dtype) = x W^T for x staged as `gemm` stages it (bf16: [rows][kp] zero-padded, rows a
-// multiple of 32 when AMX serves l; fp32: [m][k]); output groups split over threads as `gemm` does.
-void run_gemm(const Lin& l, const void* x, int64_t m, void* y, Path path) {
-  if (m == 0) return;
-  const int64_t nb = (l.n + 15) / 16;
-  const bool amx = uses_amx(l, path);
-  GemmArgs base{l.fmt, x, l.w, l.exps, y, m, l.n, l.k, l.kp, l.bk, 0, nb, l.group_exps, 0};
-  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t lo, int64_t hi) {
-    GemmArgs a = base;
-    a.nb0 = lo * 2;
-    a.nb1 = std::min(hi * 2, nb);
-    if (amx) gemm_amx(&a);
-    else if (path != Path::AVX2) gemm_avx512(&a);
-    else gemm_avx2(&a);
-  });
-}
 
 // Copies rows src[row(i)] (i < m, each k values of `es` bytes) into stage [.][kp], zeroing the
 // padding columns and the rows [m, rows).
@@ -130,23 +78,14 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
               " pack tensors for ", L, " linears (expected ", 2 * L, ")");
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   const int64_t es = bf16 ? 2 : 4;
-  Path path;
-  if (isa == "amx") path = Path::AMX;
-  else if (isa == "avx512") path = Path::AVX512;
-  else if (isa == "avx2") path = Path::AVX2;
-  else TORCH_CHECK(false, "kernels.moe_experts: unknown isa ", isa);
-  std::vector<Lin> lin(L);
+  const GemmPath path = gemm_path(isa, "kernels.moe_experts");
+  std::vector<PackedLin> lin(L);
   const auto* mp = meta.data_ptr<int64_t>();
   for (int64_t i = 0; i < L; ++i) {
-    const int64_t* r = mp + i * MOE_META;
-    const auto& data = packs[2 * i];
-    const auto& exps = packs[2 * i + 1];
-    lin[i] = Lin{static_cast<int>(r[0]), r[1], r[2], r[3], r[4], static_cast<int>(r[5]), data.data_ptr(),
-                 exps.numel() ? static_cast<const uint8_t*>(exps.data_ptr()) : nullptr};
-    check_lin(lin[i], data, exps, i);
+    lin[i] = packed_lin(mp + i * MOE_META, packs[2 * i], packs[2 * i + 1], "kernels.moe_experts", i);
     TORCH_CHECK((lin[i].fmt == FMT_FP32) == !bf16, "kernels.moe_experts: linear ", i, " (format ", lin[i].fmt,
                 ") does not take ", x.scalar_type(), " activations");
-    const Lin& w1 = lin[i - i % 3];
+    const PackedLin& w1 = lin[i - i % 3];
     const bool down = i % 3 == 2;
     TORCH_CHECK(lin[i].k == (down ? w1.n : D) && lin[i].n == (down ? D : w1.n),
                 "kernels.moe_experts: linear ", i, " is ", lin[i].n, " x ", lin[i].k, ", expected ",
@@ -189,17 +128,17 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
     const bool shared = e == E;
     const int64_t a = shared ? S : start[e], m = shared ? T : start[e + 1] - start[e];
     if (m == 0) continue;
-    const Lin& w1 = lin[3 * e];
-    const Lin& w3 = lin[3 * e + 1];
-    const Lin& w2 = lin[3 * e + 2];
+    const PackedLin& w1 = lin[3 * e];
+    const PackedLin& w3 = lin[3 * e + 1];
+    const PackedLin& w2 = lin[3 * e + 2];
     const int64_t I = w1.n;
     const int64_t rows_x = m;  // gemm_amx pads a last partial row tile itself (gemm.h)
     const int64_t kpx = bf16 ? w1.kp : D;
     char* xst = static_cast<char*>(xstage.data_ptr());
     if (shared) stage_rows(xs, D, kpx, es, m, rows_x, [](int64_t i) { return i; }, xst);
     else stage_rows(xs, D, kpx, es, m, rows_x, [sp, a, K](int64_t i) { return sp[a + i] / K; }, xst);
-    run_gemm(w1, xst, m, gate.data_ptr(), path);
-    run_gemm(w3, xst, m, up.data_ptr(), path);
+    packed_gemm(w1, xst, m, gate.data_ptr(), path);
+    packed_gemm(w3, xst, m, up.data_ptr(), path);
     for (int64_t i = 0; i < m; ++i) gw[i] = shared ? 1.0f : wp[sp[a + i]];
     auto hidden = torch::empty({m, I}, x.options());
     swiglu(gate.data_ptr(), up.data_ptr(), bf16 ? 1 : 0, gw.data(), m, I, static_cast<float>(limit), hidden.data_ptr());
@@ -215,7 +154,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
       stage_rows(static_cast<const char*>(h2), I, kph, es, m, rows_h, [](int64_t i) { return i; }, hst);
       h2 = hst;
     }
-    run_gemm(w2, h2, m, op + a * D * es, path);
+    packed_gemm(w2, h2, m, op + a * D * es, path);
   }
   // ---- per token: its k slots in slot order (torch's cascade), then the shared expert ----
   auto y = torch::empty({T, D}, x.options());

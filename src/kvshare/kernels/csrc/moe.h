@@ -7,14 +7,15 @@
 #include <torch/extension.h>
 #include <string>
 #include <vector>
+#include "packed_gemm.h"
 
 namespace kvshare_kernels {
 
 // The FP8 e4m3 quantise-dequantise of GEMM inputs (binding.cpp `fake_quant_fp8`: the one copy).
 using FakeQuantFn = torch::Tensor (*)(torch::Tensor, int64_t);
 
-// Number of int64 fields per linear in `meta`: fmt, n, k, kp, bk, group_exps.
-constexpr int64_t MOE_META = 6;
+// Number of int64 fields per linear in `meta`: fmt, n, k, kp, bk, group_exps (packed_gemm.h's layout).
+constexpr int64_t MOE_META = PACKED_META;
 
 // (data_ptr, version (-1 for an inference tensor), dtype) of each tensor, [L, 3] int64: the stamps
 // a layer's pack set is valid for.
