@@ -426,28 +426,34 @@ def test_moe_route_gives_the_scores_and_picks_of_the_torch_gate(func: str, t: in
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
-@pytest.mark.parametrize("arch", ["v4", "v41"])
+@pytest.mark.parametrize("arch", ["v4", "v41", "v4-hash"])
 @pytest.mark.parametrize("t,e,k", [(1, 8, 1), (5, 8, 2), (33, 64, 6), (3, 100, 8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_moe_gate_gives_the_bits_of_the_torch_gate(arch: str, t: int, e: int, k: int, dtype: torch.dtype) -> None:
     """`native.moe_gate` (the whole gate in one call) = `Gate.forward`'s torch code bit for bit (the
-    V4.1 temperature and normalisation included), and near the spec's formula in float64: logits
-    x . W^T (/ temp), sqrt(softplus), top-k of scores + bias, weights / sum * routed scale. Mutation
-    caught: the torch path's normalising sum in torch's own order (fp32, k = 6: the last bit differs)."""
+    V4.1 temperature and normalisation included; V4's hash-routed layers: the experts of each token
+    id), and near the spec's formula in float64: logits x . W^T (/ temp), sqrt(softplus), top-k of
+    scores + bias (or the hash table's experts), weights / sum * routed scale. Mutations caught: the
+    torch path's normalising sum in torch's own order (fp32, k = 6: the last bit differs); the hash
+    layer's scores taken at the picks' positions instead of their experts (every hash case)."""
     from kvshare.bench.sizes import FULL, peer_v4_config, v41_config
     from kvshare.config import ModelConfig
     from kvshare.model.moe import Gate
 
     sizes = FULL.replace(experts=e, experts_per_tok=k)
-    raw = peer_v4_config(sizes) if arch == "v4" else {**v41_config(sizes), "gate_temp": 1.7}
+    hashed = arch == "v4-hash"
+    raw = {**v41_config(sizes), "gate_temp": 1.7} if arch == "v41" else peer_v4_config(sizes)
     cfg = ModelConfig.from_dict(raw)
-    gate = Gate(cfg, hash_routed=False)
+    gate = Gate(cfg, hash_routed=hashed)
     g = torch.Generator().manual_seed(t * e + k)
     with torch.no_grad():
         gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) / 20)
-        gate.bias.copy_(torch.randn(e, generator=g) * 0.3)
+        if hashed:  # each token id's k distinct experts
+            gate.tid2eid.copy_(torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(cfg.vocab_size)]))
+        else:
+            gate.bias.copy_(torch.randn(e, generator=g) * 0.3)
     x = torch.randn(t, cfg.hidden_size, generator=g).to(dtype)
-    ids_in = torch.zeros(t, dtype=torch.long)
+    ids_in = torch.randint(0, cfg.vocab_size, (t,), generator=g)
     with torch.no_grad(), invariant.active(True):
         with _torch_path():
             want_w, want_ids = gate(x, ids_in)
@@ -463,11 +469,15 @@ def test_moe_gate_gives_the_bits_of_the_torch_gate(arch: str, t: int, e: int, k:
     logits = x.double() @ gate.weight.detach().double().T / (cfg.gate_temp if arch == "v41" else 1.0)
     scores = torch.nn.functional.softplus(logits).sqrt()
     picked = scores.gather(1, ids)
-    if arch == "v4" or (cfg.norm_topk_prob and k > 1):
+    if hashed:
+        assert torch.equal(ids, gate.tid2eid[ids_in])
+    if arch != "v41" or (cfg.norm_topk_prob and k > 1):
         picked = picked / picked.sum(-1, keepdim=True)
     exact = picked * cfg.routed_scaling_factor
     err = (w.double() - exact).abs().max().item()
     assert err < 5e-7, err  # observed up to 1.5e-7 (fp32 weights of size 0.2-2.5)
+    if hashed:
+        return
     # the picks are the float64 top-k wherever the k-th and (k+1)-th keys are not within 1e-5
     key = scores + gate.bias.detach().double()
     top = key.topk(min(k + 1, e), dim=-1).values

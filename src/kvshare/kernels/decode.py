@@ -205,15 +205,16 @@ def project_wide(x: torch.Tensor, packed: "Packed", table: torch.Tensor | None =
 
 
 def moe_gate(x: torch.Tensor, packed: "Packed", bias: torch.Tensor | None, k: int, func: str, temp: float,
-             normalize: bool, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+             normalize: bool, factor: float, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, ids [T, k] int64): `project_wide(x, packed)` logits (divided by `temp`
-    unless 1), `moe_route`'s scores and picks, each row's weights divided by their left-to-right sum
-    + 1e-20 (`normalize`), times `factor`: `model/moe.Gate.forward`'s torch code, the same bits."""
+    unless 1), `moe_route`'s scores and picks (or, with `ids` given: V4's hash routing, the scores
+    at those experts), each row's weights divided by their left-to-right sum + 1e-20
+    (`normalize`), times `factor`: `model/moe.Gate.forward`'s torch code, the same bits."""
     if packed.fmt != "fp32":
         raise ValueError(f"kernels.moe_gate: the gate weight must be an fp32 pack, got {packed.fmt}")
-    w, ids = _lib().moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func, temp,
-                             normalize, factor)
-    return w, ids
+    w, picks = _lib().moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func, temp,
+                               normalize, factor, ids)
+    return w, picks
 
 
 def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overlap: bool,

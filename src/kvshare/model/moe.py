@@ -95,15 +95,18 @@ class Gate(nn.Module):
         k = cfg.num_experts_per_tok
         temp = cfg.gate_temp if cfg.arch == "v41" else 1.0
         normalize = cfg.arch == "v4" or (cfg.norm_topk_prob and k > 1)
-        native_route = (invariant_on() and not self.hash_routed and cfg.scoring_func in ("sqrtsoftplus", "sigmoid")
-                        and self.bias.dtype == torch.float32 and _native(x))
+        native_route = (invariant_on() and cfg.scoring_func in ("sqrtsoftplus", "sigmoid") and _native(x)
+                        and (self.hash_routed or self.bias.dtype == torch.float32))
         packed = native_pack(self.weight) if native_route else None
         if packed is not None and packed.fmt == "fp32":  # the whole gate in one call, the same bits
+            if self.hash_routed:  # the experts of each token id (V4's first layers), their scores
+                return native.moe_gate(x, packed, None, k, cfg.scoring_func, temp, normalize,
+                                       cfg.routed_scaling_factor, self.tid2eid[input_ids])
             return native.moe_gate(x, packed, self.bias, k, cfg.scoring_func, temp, normalize, cfg.routed_scaling_factor)
         logits = matmul_t(wide(x), wide(self.weight))
         if temp != 1.0:
             logits = logits / temp
-        if native_route and logits.dtype == torch.float32:  # the same bits and picks in one call
+        if native_route and not self.hash_routed and logits.dtype == torch.float32:  # the same bits and picks
             weights, ids = native.moe_route(logits, self.bias, k, cfg.scoring_func)
         else:
             weights, ids = self._route(logits, input_ids)

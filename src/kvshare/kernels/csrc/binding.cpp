@@ -532,10 +532,26 @@ static torch::Tensor project_wide(torch::Tensor x, torch::Tensor w, torch::Tenso
 // pick to the last + 1e-20); then times `factor`. fp32 throughout, each op rounded as torch's.
 static std::vector<torch::Tensor> moe_gate(torch::Tensor x, torch::Tensor w, torch::Tensor exps, int64_t n, int64_t kdim,
                                            const std::string& isa, c10::optional<torch::Tensor> bias, int64_t k,
-                                           const std::string& func, double temp, bool normalize, double factor) {
+                                           const std::string& func, double temp, bool normalize, double factor,
+                                           c10::optional<torch::Tensor> given) {
   auto logits = project_wide(x, w, exps, n, kdim, isa, c10::nullopt, c10::nullopt, 0);
   if (temp != 1.0) logits.div_(temp);  // a tensor by a wrapped scalar: fp32 division by (float)temp
-  auto routed = moe_route(logits, bias, k, func);
+  std::vector<torch::Tensor> routed;
+  if (given.has_value()) {  // hash routing: the experts are given (the token's row of tid2eid), no top-k
+    TORCH_CHECK(func == "sqrtsoftplus" || func == "sigmoid", "kernels.moe_gate: func must be sqrtsoftplus or sigmoid, got ", func);
+    const auto ids = given->to(torch::kInt64).contiguous();
+    const int64_t t = logits.size(0), e = logits.size(1);
+    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == t && ids.size(1) == k, "kernels.moe_gate: given ids must be [",
+                t, ", ", k, "], got ", ids.sizes());
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t * k; ++i)
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < e, "kernels.moe_gate: given id ", ip[i], " outside [0, ", e, ")");
+    auto wts = torch::empty({t, k}, logits.options());
+    kk::moe_scores_at(logits.data_ptr<float>(), t, e, k, func == "sigmoid" ? 1 : 0, ip, wts.data_ptr<float>());
+    routed = {wts, ids};
+  } else {
+    routed = moe_route(logits, bias, k, func);
+  }
   float* wp = routed[0].data_ptr<float>();
   const int64_t t = logits.size(0);
   const float f = static_cast<float>(factor);

@@ -504,30 +504,34 @@ constexpr long long TORCH_VML_MODE = 0x2 | 0x140000 | 0x100;
 namespace kvshare_kernels {
 
 
+// One row's gate scores (moe_route's and moe_scores' arithmetic): `scores` holds E + 8 floats.
+static void row_scores(const float* lt, int64_t E, int func, float* scores) {
+  alignas(32) float buf[8];
+  for (int64_t e0 = 0; e0 < E; e0 += 8) {
+    const int64_t c = E - e0 < 8 ? E - e0 : 8;
+    for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? lt[e0 + l] : 0.0f;
+    const __m256 x = _mm256_load_ps(buf);
+    __m256 s;
+    if (func == 0) {  // torch's softplus (beta 1, threshold 20), then sqrt
+      const __m256 sp = Sleef_log1pf8_u10(Sleef_expf8_u10(x));
+      s = _mm256_blendv_ps(sp, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+    } else {  // torch's sigmoid
+      s = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                        _mm256_add_ps(Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x)), _mm256_set1_ps(1.0f)));
+    }
+    _mm256_store_ps(buf, s);
+    for (int64_t l = 0; l < c; ++l) scores[e0 + l] = buf[l];
+  }
+  if (func == 0) vmsSqrt(static_cast<int>(E), scores, scores, TORCH_VML_MODE);  // torch's .sqrt()
+}
+
 void moe_route(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, int func, float* weights,
                int64_t* ids) {
   float* scores = static_cast<float*>(__builtin_alloca(sizeof(float) * (E + 8)));
   float* key = static_cast<float*>(__builtin_alloca(sizeof(float) * (E + 8)));
   uint8_t* taken = static_cast<uint8_t*>(__builtin_alloca(E + 8));
-  alignas(32) float buf[8];
   for (int64_t t = 0; t < T; ++t) {
-    const float* lt = logits + t * E;
-    for (int64_t e0 = 0; e0 < E; e0 += 8) {
-      const int64_t c = E - e0 < 8 ? E - e0 : 8;
-      for (int64_t l = 0; l < 8; ++l) buf[l] = l < c ? lt[e0 + l] : 0.0f;
-      const __m256 x = _mm256_load_ps(buf);
-      __m256 s;
-      if (func == 0) {  // torch's softplus (beta 1, threshold 20), then sqrt
-        const __m256 sp = Sleef_log1pf8_u10(Sleef_expf8_u10(x));
-        s = _mm256_blendv_ps(sp, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
-      } else {  // torch's sigmoid
-        s = _mm256_div_ps(_mm256_set1_ps(1.0f),
-                          _mm256_add_ps(Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x)), _mm256_set1_ps(1.0f)));
-      }
-      _mm256_store_ps(buf, s);
-      for (int64_t l = 0; l < c; ++l) scores[e0 + l] = buf[l];
-    }
-    if (func == 0) vmsSqrt(static_cast<int>(E), scores, scores, TORCH_VML_MODE);  // torch's .sqrt()
+    row_scores(logits + t * E, E, func, scores);
     for (int64_t e = 0; e < E; ++e) {
       key[e] = bias ? scores[e] + bias[e] : scores[e];
       taken[e] = 0;
@@ -540,6 +544,14 @@ void moe_route(const float* logits, const float* bias, int64_t T, int64_t E, int
       ids[t * k + j] = best;
       weights[t * k + j] = scores[best];
     }
+  }
+}
+
+void moe_scores_at(const float* logits, int64_t T, int64_t E, int64_t k, int func, const int64_t* ids, float* weights) {
+  float* scores = static_cast<float*>(__builtin_alloca(sizeof(float) * (E + 8)));
+  for (int64_t t = 0; t < T; ++t) {
+    row_scores(logits + t * E, E, func, scores);
+    for (int64_t j = 0; j < k; ++j) weights[t * k + j] = scores[ids[t * k + j]];
   }
 }
 

@@ -104,5 +104,8 @@ namespace kvshare_kernels {
 // expert id (a stable descending sort); weights [T][k] = scores at ids. bias may be null.
 void moe_route(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, int func, float* weights,
                int64_t* ids);
+// The scores of given picks ids [T][k] (each in [0, E): the caller checks): moe_route's scores, no top-k
+// (V4's hash-routed layers, whose experts come from the token id).
+void moe_scores_at(const float* logits, int64_t T, int64_t E, int64_t k, int func, const int64_t* ids, float* weights);
 
 }  // namespace kvshare_kernels
