@@ -25,8 +25,13 @@ def test_valid_params_and_stop_string_normalised():
 
 def test_greedy_and_logprob():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 2.0, -1.0]])
-    toks, lp = Sampler()(logits, [SamplingParams(temperature=0)] * 2, ["a", "b"])
+    toks, lp = Sampler()(logits, [SamplingParams(temperature=0, logprobs=0)] * 2, ["a", "b"])
     assert toks.tolist() == [1, 0]  # tie -> lowest id
+    assert torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+    # a greedy batch that asks for no logprobs skips them (NaN, never reported); one asking row computes all
+    toks, lp = Sampler()(logits, [SamplingParams(temperature=0)] * 2, ["a", "b"])
+    assert toks.tolist() == [1, 0] and lp.isnan().all()
+    _, lp = Sampler()(logits, [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=0)], ["a", "b"])
     assert torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
 
 

@@ -173,7 +173,8 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
         histories: list[History] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (tokens [N] int64, logprobs [N] fp32 of the chosen tokens).
+        """Return (tokens [N] int64, logprobs [N] fp32 of the chosen tokens; NaN for a greedy batch
+        none of whose requests asks for logprobs, which are then never reported).
 
         `histories[i]` is row i's (prompt ids, output ids); needed only when a row has penalties.
         The logprob is under the raw logits (before penalties, temperature and filters).
@@ -188,6 +189,8 @@ class Sampler:
         rand = [i for i, p in enumerate(params) if p.temperature > 0]
         if logits is raw and not rand:  # greedy on the raw logits: the max is the chosen token's logit
             best, tokens = raw.max(dim=-1)  # (first index of the max, as argmax)
+            if all(p.num_logprobs is None for p in params):  # nobody reads them: no full-vocab logsumexp
+                return tokens, best.fill_(float("nan"))
             return tokens, best - raw.logsumexp(dim=-1)
         tokens = logits.argmax(dim=-1)
         if rand:
