@@ -122,9 +122,8 @@ class Block(nn.Module):
 
     def _fused_mix(self, sub: str) -> tuple[Packed | None, torch.Tensor, torch.Tensor]:
         """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale)."""
-        if sub == "attn":
-            return _fp32_pack(self.hc_attn_fn), self.hc_attn_base, self.hc_attn_scale
-        return _fp32_pack(self.hc_ffn_fn), self.hc_ffn_base, self.hc_ffn_scale
+        w = self._hc_weights(sub)
+        return _fp32_pack(w.fn), w.base, w.scale
 
     def _forward_fused(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
                        lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
