@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.errors import SetupError
+from kvshare.layers import KernelChoice, switches
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
@@ -45,6 +46,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see cache_plan.checkpoint_budget
     batch_invariant: bool | None = None  # None: `resolve_batch_invariant`
+    #: which implementations the model binds (`kvshare.layers.switches.resolve`): "auto", "native", "torch"
+    kernels: str = "auto"
+    #: per-field `KernelChoice` overrides (tests; the ``KVSHARE_*`` switches arrive here via `switches.from_env`)
+    kernel_overrides: dict[str, bool] | None = None
 
 
 SMALL_MODEL_PARAMS = 100_000_000
@@ -62,6 +67,14 @@ def resolve_batch_invariant(batch_invariant: bool | None, device: torch.device, 
         return bool(batch_invariant)
     return (DEFAULT_BATCH_INVARIANT and torch.device(device).type == "cpu"
             and dtype in (torch.bfloat16, torch.float32))
+
+
+def resolve_kernels(args: EngineArgs, batch_invariant: bool, device: torch.device, dtype: torch.dtype
+                    ) -> KernelChoice:
+    """The `KernelChoice` an engine binds its model to: `args.kernels`, the environment's switches,
+    then `args.kernel_overrides` (each later one wins)."""
+    overrides = {**switches.from_env(), **(args.kernel_overrides or {})}
+    return switches.resolve(batch_invariant, device, dtype, args.kernels, overrides)
 
 
 def resolve_threads(threads: int | None, model: torch.nn.Module) -> int | None:

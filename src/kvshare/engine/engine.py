@@ -27,7 +27,8 @@ import torch
 from kvshare.cache.blocks import BlockManager
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
-from kvshare.engine.args import EngineArgs, apply_threads, resolve_batch_invariant, resolve_device, resolve_dtype
+from kvshare.engine.args import (EngineArgs, apply_threads, resolve_batch_invariant, resolve_device, resolve_dtype,
+                                 resolve_kernels)
 from kvshare.engine.cache_plan import cache_plan
 from kvshare.engine.acceptor import Acceptance, Accepted, Acceptor
 from kvshare.engine.executor import Executor
@@ -71,8 +72,8 @@ class LLMEngine:
             raise SetupError(f"tensor_parallel_size {args.tensor_parallel_size} needs the group started first: "
                              "build the engine with kvshare.llm.build_engine (or LLM), which starts it")
         model = self._load(model, args)
-        model.batch_invariant = self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device,
-                                                                                 self.dtype)
+        self.batch_invariant = resolve_batch_invariant(args.batch_invariant, self.device, self.dtype)
+        model.bind(resolve_kernels(args, self.batch_invariant, self.device, self.dtype))
         self.threads = apply_threads(args.threads, model)
         self.weight_bytes = weight_bytes(model)  # as stored (bf16 with the fp32 set, or the oracle dtype)
         self.cfg = model.cfg

@@ -30,6 +30,8 @@ from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused_mhc
 from kvshare.kernels.packed import Packed
+from kvshare.layers import KernelChoice, bind_model
+from kvshare.layers import switches
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
@@ -181,8 +183,23 @@ class Transformer(nn.Module):
         self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
         self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
         self.tie_log: list[tuple[int, str, int]] | None = None
-        #: every row computed alone (ops/invariant.py): its bits do not depend on the rest of the step
-        self.batch_invariant = False
+        self.kernels = KernelChoice.reference()
+        self.bind(switches.default_choice())
+
+    def bind(self, choice: KernelChoice) -> None:
+        """Bind every layer's implementation to `choice` (the engine does this once, when it builds
+        the model; see `kvshare.layers`)."""
+        self.kernels = choice
+        bind_model(self, choice)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every row is computed alone (ops/invariant.py): its bits do not depend on the rest of the step."""
+        return self.kernels.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self.bind(self.kernels.with_(batch_invariant=bool(on)))
 
     def set_quant(self, quant: bool | QuantMode) -> None:
         """Switch fake-quantisation for subsequent forwards (all modules share one QuantMode)."""
