@@ -48,7 +48,8 @@ def hc_mix(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     t, hc, _ = h.shape
     if hw is None:  # the native RMSNorm reads h in its own dtype (the same values as wide(h))
         hw = h if _native(h) else wide(h)
-    m = matmul_t(rms_normalize(hw.reshape(t, -1), rms_eps), wide(fn))
+    flat = hw.reshape(t, -1)
+    m = matmul_t(rms_normalize(flat, rms_eps, native=_native(flat)), wide(fn))
     if invariant_on() and m.dtype == torch.float32 and _native(m, base, scale):  # one call: sigmoids, softmax, Sinkhorn
         return native.mhc_post(m, base, scale, hc, hc_eps, iters)
     post, comb = hc_post_comb(m, base, scale, hc, hc_eps, iters)
@@ -130,8 +131,8 @@ def hc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.
 def hc_head_pre(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                 rms_eps: float, hc_eps: float) -> torch.Tensor:
     """V4 final `pre` [T, hc] = sigmoid(fn . norm(flat h) * scale + base) + hc_eps."""
-    t = h.shape[0]
-    m = matmul_t(rms_normalize(h.reshape(t, -1), rms_eps), wide(fn))
+    flat = h.reshape(h.shape[0], -1)
+    m = matmul_t(rms_normalize(flat, rms_eps, native=_native(flat)), wide(fn))
     return pointwise(torch.sigmoid, m * wide(scale) + wide(base)) + hc_eps
 
 
