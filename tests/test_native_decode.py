@@ -32,6 +32,7 @@ from kvshare.config import load_config
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused_mhc
 from kvshare.kernels import moe as native_moe
+from kvshare.layers import KernelChoice
 from kvshare.model import Transformer
 from kvshare.model import mhc
 from kvshare.model.dense_cache import DenseCache
@@ -214,19 +215,21 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
 @pytest.mark.parametrize("shape", [(1, 8, 128), (7, 3, 40), (33, 64)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_gives_the_bits_of_the_torch_rotation(dtype: torch.dtype, shape: tuple[int, ...], inverse: bool) -> None:
+    """`layers.rope.RotaryEmbedding` bound native = bound torch, bitwise. Mutation caught (run): the
+    native implementation handing the kernel S for -S (the inverse flag ignored)."""
     from kvshare.model.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(sum(shape))
     rope = RotaryEmbedding(shape[-1] // 2 if shape[-1] != 40 else 16, 160000.0, None)
     x = torch.randn(*shape, generator=g).to(dtype)
     pos = torch.randint(0, 5000, (shape[0],), generator=g)
-    with _torch_path():
-        want = rope.rotate(x, pos, inverse=inverse)
-    with invariant.active(True):
-        got = rope.rotate(x, pos, inverse=inverse)
-        assert torch.equal(got, want)
-        y = x.clone()
-        assert rope.rotate(y, pos, inverse=inverse, inplace=True) is y and torch.equal(y, want)
+    want = rope.rotate(x, pos, inverse=inverse)  # a layer is built bound to the torch reference
+    rope.bind(KernelChoice(gemm=True, native=True))  # the native kernel in every mode
+    assert rope.impl == rope.forward_native
+    got = rope.rotate(x, pos, inverse=inverse)
+    assert torch.equal(got, want)
+    y = x.clone()
+    assert rope.rotate(y, pos, inverse=inverse, inplace=True) is y and torch.equal(y, want)
     # the rotation itself: the complex product in float64 at the module's fp32 angles (observed
     # max error / max |output| 2.7e-3 bf16 (the output's rounding), 9.5e-8 fp32)
     rd = rope.rope_dim
