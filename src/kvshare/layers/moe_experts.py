@@ -30,8 +30,6 @@ from kvshare.layers.quant import act_quant, fit_block
 from kvshare.ops.invariant import native_pack, pointwise
 from kvshare.precision import wide
 
-_FLOATS = (torch.float32, torch.bfloat16)
-
 
 class MoeExperts(BoundOp):
     """Routed experts plus the shared expert, after the gate (see module doc). Subclasses define
@@ -51,7 +49,7 @@ class MoeExperts(BoundOp):
         no host read); the reference's dispatch with the native SwiGLU / combine where that call does
         not apply (expert parallelism, a weight without a native pack, another activation dtype)."""
         weights, ids = self.gate(x, input_ids)
-        if self.reduce is None and x.dtype in _FLOATS and weights.dtype == torch.float32:
+        if self.reduce is None and weights.dtype == torch.float32:
             y = self._native_experts(x, ids, weights)
             if y is not None:
                 return y
@@ -76,7 +74,7 @@ class MoeExperts(BoundOp):
         row_w = torch.cat([flat_w[sel], flat_w.new_ones(t)])
         out = _run_experts(groups, x[rows], row_w, native, invariant)
         n_sel = sel.numel()
-        if native and n_sel == t * k and self.reduce is None and out.dtype in _FLOATS and sel.is_contiguous():
+        if native and n_sel == t * k and self.reduce is None and sel.is_contiguous():
             return native_kernels.moe_combine(out, sel, t, k)  # the same bits in one call
         if n_sel == t * k:  # every slot is local: gather each token's k outputs in slot order
             where = torch.empty_like(sel)
@@ -142,9 +140,9 @@ def _run_experts(groups: list[tuple[Any, int]], xs: torch.Tensor, weight: torch.
     shared expert's weight 1 is exact: ``wide(h) * 1`` rounds back to h).
     """
     e0 = groups[0][0]
-    act, block = e0.w1.mode.act, e0.w1.block
+    act, block, native_act = e0.w1.mode.act, e0.w1.block, e0.w1.native_act  # (the QLinears' bound rounding)
     if act:
-        xs = act_quant(xs, block, native)
+        xs = act_quant(xs, block, native_act)
     bounds, start = [], 0
     for _, n in groups:
         bounds.append((start, start + n))
@@ -154,13 +152,13 @@ def _run_experts(groups: list[tuple[Any, int]], xs: torch.Tensor, weight: torch.
         for (e, _), (a, b) in zip(groups, bounds):
             hidden = _swiglu(Linear.forward(e.w1, xs[a:b]), Linear.forward(e.w3, xs[a:b]), weight[a:b], e.limit, native,
                              invariant)
-            out[a:b] = Linear.forward(e.w2, act_quant(hidden, block, native) if act else hidden)
+            out[a:b] = Linear.forward(e.w2, act_quant(hidden, block, native_act) if act else hidden)
         return out
     gate = torch.cat([Linear.forward(e.w1, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
     up = torch.cat([Linear.forward(e.w3, xs[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
     hidden = _swiglu(gate, up, weight, e0.limit, native, invariant)
     if act:
-        hidden = act_quant(hidden, block, native)
+        hidden = act_quant(hidden, block, native_act)
     return torch.cat([Linear.forward(e.w2, hidden[a:b]) for (e, _), (a, b) in zip(groups, bounds)])
 
 
@@ -169,8 +167,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: f
     """``(wide(silu(min(gate, limit)) * clamp(up)) * weight).to(gate.dtype)``, overwriting the fresh
     GEMM outputs gate and up (in-place ops: the same values as `Expert.forward`'s); `native`: in one
     native call where it takes the tensors (the same bits)."""
-    if (native and weight.dtype == torch.float32 and gate.dtype in _FLOATS and gate.dtype == up.dtype
-            and gate.is_contiguous() and up.is_contiguous()):
+    if native and weight.dtype == torch.float32 and gate.is_contiguous() and up.is_contiguous():
         return native_kernels.swiglu(gate, up, weight.contiguous(), limit)  # the same bits in one call
     if limit > 0:
         gate.clamp_(max=limit)

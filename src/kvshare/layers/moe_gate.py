@@ -26,8 +26,6 @@ from kvshare.ops import stable_topk
 from kvshare.ops.invariant import matmul_t, native_pack, pointwise
 from kvshare.precision import wide
 
-_FLOATS = (torch.float32, torch.bfloat16)
-
 
 def _sum_in_order(w: torch.Tensor) -> torch.Tensor:
     """[T, 1]: each row of w [T, k] summed from its first column to its last (a fixed order, which
@@ -82,8 +80,6 @@ class Gate(BoundOp):
     def forward_native(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate in one native call (`kernels.decode.moe_gate`, the reference's bits and picks); for a
         weight without an fp32 pack, the row-invariant logits and the native routing."""
-        if x.dtype not in _FLOATS:
-            return self.forward_torch(x, input_ids)
         cfg = self.cfg
         k, temp, normalize = self._shape()
         packed = native_pack(self.weight)
