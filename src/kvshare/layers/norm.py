@@ -7,8 +7,9 @@ rows with a scalar loop whose order changes with the row count); elsewhere the t
 
 `RMSNorm` binds its implementation once (`select`): the native one for a batch-invariant native
 choice and an fp32 weight of at least 8 elements (the bf16 model keeps norm weights in fp32,
-`model/dtypes.py`); otherwise the torch reference. Inside the native implementation, an input the
-kernel does not take (another dtype, not contiguous, autograd) runs the reference: the same bits.
+`model/dtypes.py`); otherwise the torch reference. The native implementation assumes the choice's
+invariants (`KernelChoice`: bf16 / fp32 CPU activations, no autograd); rows that are not contiguous
+run the reference: the same bits.
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ from kvshare.layers.bound import BoundOp
 from kvshare.layers.choice import KernelChoice
 from kvshare.precision import wide
 
-_FLOATS = (torch.float32, torch.bfloat16)
 PIECED_FROM = 1 << 20  # elements (4 MiB of fp32): larger inputs are normalised in pieces
 PIECE_ELEMENTS = 1 << 18  # 1 MiB of fp32 temporaries per piece: reused by the allocator, cache-resident
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether the native RMSNorm takes rows x (contiguous bf16 / fp32 CPU rows of >= 8, no autograd)."""
-    return (x.dim() > 0 and x.shape[-1] >= 8 and x.dtype in _FLOATS and x.device.type == "cpu"
-            and x.is_contiguous() and not x.requires_grad)
+    """Whether the native RMSNorm takes rows x of a native-bound caller (contiguous rows of >= 8; the
+    caller's choice vouches for bf16 / fp32 CPU tensors without autograd, `KernelChoice`)."""
+    return x.dim() > 0 and x.shape[-1] >= 8 and x.is_contiguous()
 
 
 def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,8 +90,8 @@ class RMSNorm(BoundOp):
         return (rms_normalize(x, self.eps) * wide(self.weight)).to(x.dtype)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """`kernels.decode.rms_norm` with the fp32 weight (the reference's bits); the reference for
-        an input the kernel does not take, or while autograd records the weight."""
-        if takes(x) and not (self.weight.requires_grad and torch.is_grad_enabled()):
+        """`kernels.decode.rms_norm` with the fp32 weight (the reference's bits); the reference for a
+        row that is not contiguous (rows of >= 8 were checked at bind time: x's rows are the weight's)."""
+        if x.is_contiguous():
             return native_kernels.rms_norm(x, self.weight, self.eps, x.dtype)
         return self.forward_torch(x)

@@ -21,7 +21,9 @@ Implementations (bound once, `kvshare.layers`): `forward_torch` (the reference a
 choice with the native kernels (any mode: each product and the sum are correctly rounded, so the
 kernel has the reference's bits), `forward_native` = `kernels.decode.rope` on the fp32 tables. The
 native implementation runs the reference for a call it does not take (an input that is not a
-contiguous bf16 / fp32 CPU tensor, positions that are not 1-D, autograd): the same bits.
+contiguous tensor, positions that are not 1-D): the same bits. Like every native implementation it
+assumes the choice's invariants (`KernelChoice`: bf16 / fp32 CPU activations, no autograd; training
+binds `KernelChoice.reference()`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from kvshare.layers.choice import KernelChoice
 from kvshare.precision import version_of
 
 _CPU32 = (torch.device("cpu"), torch.float32)
-_FLOATS = (torch.float32, torch.bfloat16)
 TABLES_KEPT = 4  # a step rotates at its token positions and at each layer's new entry positions
 
 
@@ -135,8 +136,7 @@ class RotaryEmbedding(BoundOp):
     def forward_native(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
                        inplace: bool = False) -> torch.Tensor:
         """`rotate` in one native call (`kernels.decode.rope`, the reference's bits) where it takes x."""
-        if (x.dtype in _FLOATS and x.device.type == "cpu" and positions.dim() == 1 and x.is_contiguous()
-                and not x.requires_grad):
+        if positions.dim() == 1 and x.is_contiguous():
             # the working dtype is fp32, the [P, rd] tables the kernel's layout
             c, s, s_neg = self.pair_tables(positions, self._freqs_at(_CPU32))
             return native_kernels.rope(x, c, s_neg if inverse else s, inplace)
