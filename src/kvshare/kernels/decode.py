@@ -45,10 +45,11 @@ replace stays the reference and the fallback:
   (a V4 compressor's APE; one rounded fp32 add per element, the bits of the torch add): one call
   where the torch code takes the widening, the product and four indexing / add ops.
 
-`enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
-``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
-callers then run the torch code. ``KVSHARE_NATIVE_ATTENTION=off`` keeps the other kernels and runs
-the torch attention (`attention_enabled()`), so a forward has exactly the torch path's bits.
+Which of these a model runs is bound once per model build (`kvshare.layers`: the model's layers
+hold the choice). Transitional (issue 34): the model files not yet bound (attention, indexer,
+compressor) and the cache codecs still ask `serves` / `attention_enabled` / `held` per call; inside a
+forward `forward_scope` answers them from the model's bound choice, outside from `enabled()` (False
+without the native library, or with ``KVSHARE_NATIVE_DECODE=off`` / `set_enabled(False)`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ _SCOPED: dict[str, Callable[[], bool]] = {}
 
 
 def scoped_switch(name: str, decide: Callable[[], bool]) -> None:
-    """Register another module's switch (`kernels.mhc`, `kernels.attn_proj`): `forward_scope` asks
+    """Register another module's switch (`kernels.attn_proj`): `forward_scope` asks
     `decide` once per forward (where the kernels serve the forward at all) and `held(name)` answers it."""
     _SCOPED[name] = decide
 
@@ -118,23 +119,22 @@ def held(name: str) -> bool | None:
 
 
 @contextmanager
-def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Decide once, for a whole model forward, what `serves`, `attention_enabled` and the registered
-    switches (`scoped_switch`) answer.
+def forward_scope(native: bool, attention: bool, switches: dict[str, bool]) -> Iterator[None]:
+    """Transitional (issue 34): what `serves`, `attention_enabled` and `held` answer inside a model
+    forward, for the model files that still ask per call (attention, indexer, compressor).
 
-    Invariant the callers keep: inside a forward of a model whose activations are `dtype` on
-    `device`, every tensor handed to `serves` is such an activation or its fp32 widening (`wide`),
-    so the per-tensor checks would give the forward's answer every time; the scope answers from
-    the model's dtype and device instead (a decode step asks ~150 times). With autograd recording
-    the scope decides nothing (tensors may then require grad one by one). Nested scopes restore
-    the outer answer on exit.
+    `Transformer.forward` passes its bound choice (`KernelChoice.native`, ``attention``, and per
+    registered switch, e.g. ``{"attn_proj": fused_attn_proj}``); the process switches (`set_enabled`,
+    the environment) can still turn each off. The bound layers do not ask. With autograd recording
+    the scope decides nothing (tensors are then checked one by one). Nested scopes restore the
+    outer answer on exit.
     """
     prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None), getattr(_scope, "switches", None))
     _scope.serves = _scope.attention = _scope.switches = None  # (so the answers below ask the switches)
     if not torch.is_grad_enabled():
-        on = enabled() and device.type == "cpu" and dtype in _FLOATS
-        _scope.serves, _scope.attention = on, on and attention_enabled()
-        _scope.switches = {name: on and decide() for name, decide in _SCOPED.items()}
+        on = native and enabled()
+        _scope.serves, _scope.attention = on, on and attention and attention_enabled()
+        _scope.switches = {name: on and switches.get(name, False) and decide() for name, decide in _SCOPED.items()}
     try:
         yield
     finally:

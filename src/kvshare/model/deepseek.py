@@ -124,6 +124,7 @@ class Transformer(nn.Module):
         w = self.embed.weight
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
             choice = choice.with_(native=False)
+        self.bound = choice  # what the layers run (`kernels` with what these weights allow)
         bind_model(self, choice)
         self.quantizer.bind(choice)
 
@@ -157,8 +158,9 @@ class Transformer(nn.Module):
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
         """
-        w = self.embed.weight
-        with invariant.active(self.batch_invariant), native.forward_scope(w.dtype, w.device):
+        c = self.bound  # transitional (issue 34): the attention files not yet bound ask per call
+        with invariant.active(c.batch_invariant), native.forward_scope(c.native, c.attention,
+                                                                       {"attn_proj": c.fused_attn_proj}):
             return self._forward(input_ids, batch, cache, state)
 
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
