@@ -65,7 +65,7 @@ def fp8_round(x: torch.Tensor, block: int, native: bool = False) -> torch.Tensor
 def fp4_round(x: torch.Tensor, block: int, scale_fmt: ScaleFmt, native: bool = False) -> torch.Tensor:
     """`fake_quant_fp4(x, block, scale_fmt)` (identity gradient), in one native call where `native`
     and the kernel takes x (the same bits)."""
-    if native:
+    if native and not x.requires_grad:  # (autograd: the straight-through torch code)
         return native_rows.fake_quant_fp4(x, block, scale_fmt)
     return straight_through(lambda t: fake_quant_fp4(t, block, scale_fmt), x)
 

@@ -21,9 +21,9 @@ Implementations (bound once, `kvshare.layers`): `forward_torch` (the reference a
 choice with the native kernels (any mode: each product and the sum are correctly rounded, so the
 kernel has the reference's bits), `forward_native` = `kernels.decode.rope` on the fp32 tables. The
 native implementation runs the reference for a call it does not take (an input that is not a
-contiguous tensor, positions that are not 1-D): the same bits. Like every native implementation it
-assumes the choice's invariants (`KernelChoice`: bf16 / fp32 CPU activations, no autograd; training
-binds `KernelChoice.reference()`).
+contiguous tensor, positions that are not 1-D, an input autograd records: a model built outside an
+engine binds the batched native choice, and a caller may train it): the same bits. It assumes the
+choice's other invariants (`KernelChoice`: bf16 / fp32 CPU activations).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class RotaryEmbedding(BoundOp):
     def forward_native(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
                        inplace: bool = False) -> torch.Tensor:
         """`rotate` in one native call (`kernels.decode.rope`, the reference's bits) where it takes x."""
-        if positions.dim() == 1 and x.is_contiguous():
+        if positions.dim() == 1 and x.is_contiguous() and not x.requires_grad:
             # the working dtype is fp32, the [P, rd] tables the kernel's layout
             c, s, s_neg = self.pair_tables(positions, self._freqs_at(_CPU32))
             return native_kernels.rope(x, c, s_neg if inverse else s, inplace)
