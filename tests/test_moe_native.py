@@ -11,7 +11,8 @@
 Mutations caught (each run against a mutated copy): AVX-512 instead of AMX for every weight (the
 bf16 k = 2 T = 300 case differs by 1e-3); no FP8 rounding of the SwiGLU output before w2 (7 tests);
 the C++ stamp check dropped (`in_place` edit); either global registration hook dropped
-(`new_parameter` / `new_expert`). Not distinguishable: an unstable grouping inside an expert (every
+(`new_parameter` / `new_expert`); `MoeExperts._native_experts` passing block 0 for the input's
+FP8 rounding (9 tests). Not distinguishable: an unstable grouping inside an expert (every
 row is computed alone and the combine reads rows by slot, so the order inside a group changes no bit).
 """
 

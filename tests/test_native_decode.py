@@ -410,7 +410,8 @@ def test_moe_gate_gives_the_bits_of_the_torch_gate(arch: str, t: int, e: int, k:
     scores + bias (or the hash table's experts), weights / sum * routed scale. Mutations caught: the
     torch path's normalising sum in torch's own order (fp32, k = 6: the last bit differs); the hash
     layer's scores taken at the picks' positions instead of their experts (the hash cases with k > 1;
-    at k = 1 the normalised weight is 1 whatever the score)."""
+    at k = 1 the normalised weight is 1 whatever the score); `layers.moe_gate.Gate.forward_native` handing
+    the kernel a temperature of 1 (the 8 V4.1 cases)."""
     from kvshare.bench.sizes import FULL, peer_v4_config, v41_config
     from kvshare.config import ModelConfig
     from kvshare.model.moe import Gate
