@@ -77,14 +77,14 @@ def attention_enabled() -> bool:
     held = getattr(_scope, "attention", None)
     if held is not None:
         return held
-    return env_switches.from_env().get("attention", True) and enabled()
+    return not env_switches.switched_off("attention") and enabled()
 
 
 def enabled() -> bool:
     """Transitional: whether the callers not yet bound (attention files, cache codecs) may run the
     native decode kernels outside a forward: the library serves this machine and ``KVSHARE_NATIVE_DECODE``
     is not off (read through `layers.switches`, the one reader of the environment)."""
-    return env_switches.from_env().get("native", True) and best_isa() != "torch"
+    return not env_switches.switched_off("native") and best_isa() != "torch"
 
 
 _SCOPED: dict[str, Callable[[], bool]] = {}
