@@ -25,14 +25,13 @@ from kvshare.bench.gen import equal_length_prompts
 from kvshare.bench.kv_runner import build_model, greedy, make_engine
 from kvshare.bench.sizes import FULL, peer_v4_config
 from kvshare.config import ModelConfig
-from kvshare.kernels import decode as native
 
 
 def _prefill(model, prompts, steps: int, on: bool):
-    """An engine with `prompts` added and prefilled under mode `on`; (engine, seconds)."""
-    native.set_enabled(on)
+    """An engine with `prompts` added and prefilled with the native kernels `on` or off; (engine, seconds)."""
     b, n = prompts.shape
     eng = make_engine(model, batch=b, max_len=n + steps + 8, block_size=FULL.block_size, dtype="bfloat16", device="cpu")
+    model.bind(model.kernels.with_(native=on))  # (the engine bound it to the default choice)
     for i, p in enumerate(prompts.tolist()):
         eng.add_request(str(i), p, greedy(steps + 1))
     t0 = time.perf_counter()
@@ -43,7 +42,6 @@ def _prefill(model, prompts, steps: int, on: bool):
 def _profile(eng, on: bool, steps: int = 4) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    native.set_enabled(on)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             eng.step()
@@ -56,21 +54,19 @@ def _profile(eng, on: bool, steps: int = 4) -> dict:
 def run(batch: int, steps: int, repeats: int, prof: bool) -> dict:
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(peer_v4_config(FULL))
-    model = build_model(cfg, FULL.seed, torch.bfloat16)
+    models = {on: build_model(cfg, FULL.seed, torch.bfloat16) for on in (False, True)}  # one binding each
     prompts = equal_length_prompts(batch, FULL.prompt_len, FULL.vocab, FULL.seed + batch)
     pre = {True: [], False: []}
     for _ in range(repeats):
         for on in (False, True):
-            pre[on].append(_prefill(model, prompts, steps, on)[1])
-    engines = {on: _prefill(model, prompts, steps + (8 if prof else 0), on)[0] for on in (False, True)}
-    for on, e in engines.items():  # warm-up step each
-        native.set_enabled(on)
+            pre[on].append(_prefill(models[on], prompts, steps, on)[1])
+    engines = {on: _prefill(models[on], prompts, steps + (8 if prof else 0), on)[0] for on in (False, True)}
+    for e in engines.values():  # warm-up step each
         e.step()
     times = {True: [], False: []}
     tokens: dict[bool, dict[str, list[int]]] = {True: {}, False: {}}
     for _ in range(steps - 1):
         for on in (False, True):
-            native.set_enabled(on)
             t0 = time.perf_counter()
             outs = engines[on].step()
             times[on].append(time.perf_counter() - t0)
@@ -85,7 +81,6 @@ def run(batch: int, steps: int, repeats: int, prof: bool) -> dict:
         if prof:
             out[name]["profile"] = _profile(engines[on], on)
     out["same_tokens"] = tokens[True] == tokens[False] and len(tokens[True]) == batch
-    native.set_enabled(None)
     return out
 
 

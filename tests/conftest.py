@@ -16,7 +16,7 @@ def small_prefill_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     prefill, preemption, batching, the transformers oracle) run them: chunked inference mHC in
     5-row chunks (hidden 32, 4 streams; steps of <= 5 rows take the unchunked path), and the
     per-sequence window attention for every sequence with >= 4 rows in the step."""
-    from kvshare.model import mhc_chunked
+    from kvshare.layers import mhc_chunked
     from kvshare.ops import prefix_attention
 
     monkeypatch.setattr(mhc_chunked, "CHUNK_BYTES", 5 * 4 * 4 * 32)

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
+from kvshare import kernels
 from kvshare.engine.sampling import SamplingParams
+from kvshare.layers import KernelChoice
 from kvshare.llm import LLM
 from kvshare.model import Transformer
 from kvshare.model.dspark import attach_dspark
@@ -85,7 +87,7 @@ def test_a_parameters_cached_pack_follows_its_updates() -> None:
 
 def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_forward() -> None:
     """oneDNN's bf16 product is not row-invariant at K = 4096 (rows of a 128-row call differ
-    from that row alone on an AMX Xeon); inside a batch-invariant forward `Linear` is."""
+    from that row alone on an AMX Xeon); bound batch-invariant, `Linear` is."""
     from kvshare.model.linear import Linear, pack_linears
 
     g = torch.Generator().manual_seed(0)
@@ -94,8 +96,9 @@ def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_
         lin.weight.copy_(torch.randn(1536, 4096, generator=g))
     lin = lin.to(torch.bfloat16)
     pack_linears(lin)
+    lin.bind_kernels(KernelChoice(batch_invariant=True, gemm=kernels.available()))
     x = torch.randn(128, 4096, generator=g).to(torch.bfloat16)
-    with torch.inference_mode(), invariant.active(True):
+    with torch.inference_mode():
         alone = torch.cat([lin(x[r:r + 1]) for r in range(x.shape[0])])
         whole = lin(x)
     assert torch.equal(whole, alone)
@@ -107,10 +110,9 @@ def test_pointwise_sends_every_element_through_the_vector_loop(fn) -> None:
     vector = fn(x)  # 4096 elements: no scalar tail
     alone = torch.cat([fn(x[i:i + 1]) for i in range(256)])  # one element: the scalar loop
     assert not torch.equal(alone, vector[:256]), "the scalar and vector loops agree: nothing to guard"
-    with invariant.active(True):
-        for n in (1, 3, 37, 100, 255):
-            assert torch.equal(invariant.pointwise(fn, x[:n]), vector[:n]), n
-    assert torch.equal(invariant.pointwise(fn, x[:37]), fn(x[:37]))  # off: the plain call
+    for n in (1, 3, 37, 100, 255):  # a batch-invariant caller
+        assert torch.equal(invariant.pointwise(fn, x[:n], True), vector[:n]), n
+    assert torch.equal(invariant.pointwise(fn, x[:37], False), fn(x[:37]))  # off: the plain call
 
 
 def _buckets(n_valid: torch.Tensor, bucket: int = invariant.BUCKET) -> list[tuple[int, torch.Tensor]]:

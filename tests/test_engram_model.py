@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvshare.config import load_config
+from kvshare.layers import KernelChoice
 from kvshare.model import DenseCache, Transformer
 from kvshare.model.context import StepContext
 from kvshare.model.mhc import hc_collapse, identity_pre
@@ -179,6 +180,7 @@ def test_training_reaches_engram_parameters() -> None:
     from kvshare.train.loop import lm_loss
 
     model = Transformer(load_config(NAME), quant=True).init_weights(0).train()
+    model.bind(KernelChoice.reference())  # training: the autograd-capable torch reference
     before = model.layers[1].engram.table.codes.copy()
     loss = lm_loss(model, [token_ids(model.cfg, 12, seed=1), token_ids(model.cfg, 9, seed=2)])
     loss.backward()

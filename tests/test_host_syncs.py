@@ -24,7 +24,7 @@ from kvshare.engine.sampling import SamplingParams
 from kvshare.model.deepseek import Transformer
 from kvshare.shipped import resolve_config_path
 
-MOE = "model/moe.py"
+MOE = "layers/moe_experts.py"
 
 
 LAYOUTS = {  # layers -> (compress ratios, kv sources, index sources, candidate source)

@@ -1,6 +1,6 @@
 """FP8 / FP4 checkpoint weights stay packed in a bf16 model (kvshare.kernels): bytes in memory =
 checkpoint bytes, the same numbers as the dequantised weights, a working forward, MoE rows
-independent of their group, and the use_kernels switch."""
+independent of their group, and the binding of dense linears."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from kvshare import kernels
 from kvshare.config import load_config
 from kvshare.model.deepseek import Transformer
 from kvshare.model.dtypes import cast_model, weight_bytes
-from kvshare.model.linear import Linear, QLinear, kernels_enabled, use_kernels
+from kvshare.layers import KernelChoice
+from kvshare.model.linear import Linear, QLinear
 from kvshare.model.loader import load_model
 from kvshare.model.checkpoint_write import save_checkpoint
 from kvshare.model.moe import _run_experts
@@ -91,7 +92,10 @@ def test_moe_rows_do_not_depend_on_their_group(checkpoint: Path) -> None:
     assert torch.equal(many[3], alone[0]) and torch.equal(many[7], alone[1])
 
 
-def test_use_kernels_switch_routes_dense_linears() -> None:
+def test_binding_routes_dense_linears() -> None:
+    """A `Linear` bound batch-invariant multiplies through kvshare's fixed-order kernels (row-count
+    invariant), bound batched through oneDNN / F.linear (the reference), and rebinding goes back.
+    Mutation caught (run): `select` returning `forward_torch` for the batch-invariant choice."""
     gen = torch.Generator().manual_seed(6)
     lin = Linear(77, 45)
     with torch.no_grad():
@@ -99,16 +103,17 @@ def test_use_kernels_switch_routes_dense_linears() -> None:
     lin = lin.to(torch.bfloat16).requires_grad_(False)
     lin.pack()
     x = torch.randn(33, 77, generator=gen).to(torch.bfloat16)
-    assert not kernels_enabled()
+    assert lin.impl == lin.forward_torch
     off = lin(x)
-    use_kernels(True)
-    try:
-        on = lin(x)
-        assert torch.equal(on, kernels.linear(x, kernels.pack_bf16(lin.weight)))
-        assert torch.equal(lin(x[5:6]), on[5:6])  # row-count invariant through the module
-        lin32 = Linear(77, 45).requires_grad_(False)
-        x32 = torch.randn(9, 77, generator=gen)
-        assert torch.equal(lin32(x32), kernels.linear(x32, kernels.pack_fp32(lin32.weight)))
-    finally:
-        use_kernels(False)
+    invariant = KernelChoice(batch_invariant=True, gemm=True, native=True)
+    lin.bind_kernels(invariant)
+    assert lin.impl == lin.forward_invariant
+    on = lin(x)
+    assert torch.equal(on, kernels.linear(x, kernels.pack_bf16(lin.weight)))
+    assert torch.equal(lin(x[5:6]), on[5:6])  # row-count invariant through the module
+    lin32 = Linear(77, 45).requires_grad_(False)
+    lin32.bind_kernels(invariant)
+    x32 = torch.randn(9, 77, generator=gen)
+    assert torch.equal(lin32(x32), kernels.linear(x32, kernels.pack_fp32(lin32.weight)))
+    lin.bind_kernels(KernelChoice(gemm=True, native=True))
     assert torch.equal(lin(x), off)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.model import mhc, mhc_chunked
-from kvshare.model.mhc_chunked import HcMix, HcWeights, hc_boundary, hc_enter
+from kvshare.layers import mhc_chunked
+from kvshare.layers import mhc_torch as mhc
+from kvshare.layers.mhc_chunked import HcMix, HcWeights, hc_boundary, hc_enter
 
 HC, D, ITERS, RMS_EPS, HC_EPS = 4, 24, 20, 1e-6, 1e-6
 

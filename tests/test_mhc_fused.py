@@ -4,15 +4,15 @@ The fused calls compose the unfused native calls (RMS statistic, fp32 mix GEMM, 
 `mhc_collapse`, the sublayer RMSNorm; `mhc_expand` first at a boundary) in `model/mhc.py`'s order,
 so each is compared bitwise with
 
-* the unfused native composition (`model/mhc.py` + `RMSNorm` inside a batch-invariant forward), and
-* the torch path (the same functions with the native kernels off: the model's reference),
+* the unfused native composition (`layers.mhc.NativeMhc` + an `RMSNorm` bound native), and
+* the torch path (`layers.mhc.TorchMhc(invariant=True)`: the batch-invariant reference),
 
 for V4 (collapse with the mix's own pre) and V4.1 (a given, lagged pre), T = 1, 2, 8, 33 (rows of
 a smaller call equal those rows of the 33-row call: row invariance), bf16 and fp32 streams, fp32
 and bf16 small weights; and with the spec's formulas (spec/model.md §7.1, `model/mhc.py`'s module
 doc) written out here in float64, within the observed error. Then whole engines (tiny-v4, tiny-v41;
 bf16, fp32): greedy tokens and every sampled logits row bitwise equal with the fused calls on and
-off (``KVSHARE_NATIVE_MHC=off``).
+off (``kernel_overrides={"fused_mhc": False}``).
 
 Mutations run while writing this (each failed the tests named): the boundary's enter reading the
 streams before the expand (`h` for `hn` in mhc.cpp: the 6 boundary tests); the collapse always with
@@ -36,14 +36,14 @@ from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused
-from kvshare.kernels import pack_fp32
+from kvshare.kernels import available as kernels_available, pack_fp32
+from kvshare.layers import KernelChoice
+from kvshare.layers.mhc import HcWeights, Mix, NativeMhc, TorchMhc
 from kvshare.model import Transformer
-from kvshare.model import mhc
 from kvshare.model.norm import RMSNorm
-from kvshare.ops import invariant
 from test_engine_exact import greedy_random_run, spy_logits
 
-pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable on this machine")
 
 ROWS = (1, 2, 8, 33)
 HC, D, ITERS, RMS_EPS, HC_EPS, NORM_EPS = 4, 96, 20, 1e-6, 1e-6, 1e-5
@@ -65,39 +65,35 @@ def _case(dtype: torch.dtype, seed: int, wdtype: torch.dtype = torch.float32, n_
     )
 
 
-def _norm(w: torch.Tensor) -> RMSNorm:
+NATIVE = KernelChoice(batch_invariant=True, gemm=True, native=True)
+
+
+def _norm(w: torch.Tensor, kind: str = "torch") -> RMSNorm:
     n = RMSNorm(D, NORM_EPS)
     n.weight.data = w.clone()
+    n.bind(NATIVE if kind == "native" else KernelChoice(batch_invariant=True))
     return n.requires_grad_(False)
 
 
-class _Path:
-    """Inside a batch-invariant forward, with the native kernels on ("native") or off ("torch")."""
+def _impl(kind: str) -> TorchMhc:
+    """The batch-invariant mHC implementation with the native kernels ("native") or without ("torch")."""
+    return NativeMhc() if kind == "native" else TorchMhc(invariant=True)
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
 
-    def __enter__(self) -> None:
-        native.set_enabled(self.kind == "native")
-        self.inv = invariant.active(True)
-        self.inv.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self.inv.__exit__(*exc)
-        native.set_enabled(None)
+def _w(c: dict) -> HcWeights:
+    return HcWeights(c["fn"], c["base"], c["scale"], RMS_EPS, HC_EPS, ITERS)
 
 
 def _ref_enter(h: torch.Tensor, c: dict, lagged: bool, kind: str):
-    """model/mhc.py's sublayer entry, call by call (the unfused path of `Block._forward_unchunked`)."""
-    with _Path(kind), torch.no_grad():
-        pre, post, comb = mhc.hc_mix(h, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS, iters=ITERS)
-        x = mhc.hc_collapse(h, c["pre_prev"][: h.shape[0]] if lagged else pre)
-        return _norm(c["norm_w"])(x), pre, post, comb
+    """The unfused sublayer entry (`NativeMhc` / `TorchMhc`)."""
+    with torch.no_grad():
+        x, mix = _impl(kind).enter(h, _w(c), _norm(c["norm_w"], kind), c["pre_prev"][: h.shape[0]] if lagged else None)
+        return x, mix.pre, mix.post, mix.comb
 
 
 def _ref_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, kind: str) -> torch.Tensor:
-    with _Path(kind), torch.no_grad():
-        return mhc.hc_expand(h, y, post, comb)
+    with torch.no_grad():
+        return _impl(kind).leave(h, y, Mix(post, post, comb))
 
 
 def _enter(h: torch.Tensor, c: dict, lagged: bool):
@@ -220,11 +216,10 @@ def test_leave_gives_the_bits_of_the_expand_for_any_strides(dtype) -> None:
 
 
 def _ref_head(h: torch.Tensor, c: dict, v4: bool, kind: str) -> torch.Tensor:
-    """`Transformer._forward`'s unfused tail."""
-    with _Path(kind), torch.no_grad():
-        pre = (mhc.hc_head_pre(h, c["fn"], c["base"], c["scale"], rms_eps=RMS_EPS, hc_eps=HC_EPS) if v4
-               else c["pre_prev"][: h.shape[0]])
-        return _norm(c["norm_w"])(mhc.hc_collapse(h, pre))
+    """The unfused tail (`NativeMhc.head` / `TorchMhc.head`)."""
+    with torch.no_grad():
+        pre = None if v4 else c["pre_prev"][: h.shape[0]]
+        return _impl(kind).head(h, pre, _norm(c["norm_w"], kind), _w(c) if v4 else None, RMS_EPS, HC_EPS)
 
 
 def _head(h: torch.Tensor, c: dict, v4: bool) -> torch.Tensor:
@@ -290,33 +285,12 @@ def _bf16_pack(w: torch.Tensor):
     return pack_bf16(w.bfloat16())
 
 
-def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert fused.enabled()
-    monkeypatch.setenv("KVSHARE_NATIVE_MHC", "off")
-    assert not fused.enabled()
-    monkeypatch.delenv("KVSHARE_NATIVE_MHC")
-    fused.set_enabled(False)
-    try:
-        assert not fused.enabled()
-    finally:
-        fused.set_enabled(None)
-    native.set_enabled(False)  # no native kernels: no fused calls either
-    try:
-        assert not fused.enabled()
-    finally:
-        native.set_enabled(None)
-
-
 _REAL = {fn: getattr(fused, fn) for fn in ("enter", "boundary", "leave", "head")}  # before any test wraps them
 
 
 def _serve(name: str, dtype: torch.dtype, on: bool, monkeypatch: pytest.MonkeyPatch):
     """Greedy tokens and every sampled logits row of a paged engine (chunked prefill, batched decode),
-    with the fused mHC calls on or off (the environment switch); and the fused calls made."""
-    if on:
-        monkeypatch.delenv("KVSHARE_NATIVE_MHC", raising=False)
-    else:
-        monkeypatch.setenv("KVSHARE_NATIVE_MHC", "off")
+    with the fused mHC calls on or off (the engine's kernel override); and the fused calls made."""
     calls = {"enter": 0, "boundary": 0, "leave": 0, "head": 0}
     for fn in calls:
         real = _REAL[fn]
@@ -328,7 +302,7 @@ def _serve(name: str, dtype: torch.dtype, on: bool, monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(fused, fn, counted)
     model = Transformer(load_config(name), quant=False).init_weights(3).eval()
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1], max_num_seqs=4,
-                    max_num_batched_tokens=19)
+                    max_num_batched_tokens=19, kernel_overrides={"fused_mhc": on})
     rows = spy_logits(eng)
     return greedy_random_run(eng, model.cfg.vocab_size, (37, 5, 23, 11), seed=6), rows, calls
 
@@ -383,11 +357,11 @@ def test_a_sublayer_output_in_another_dtype_takes_the_unfused_expand(monkeypatch
     real, real_moe = Attention.forward, MoE.forward
     monkeypatch.setattr(Attention, "forward", lambda self, *a: real(self, *a).float() * (1 + 2 ** -12))
     monkeypatch.setattr(MoE, "forward", lambda self, *a: real_moe(self, *a).float() * (1 + 2 ** -12))
-    fused.set_enabled(False)
-    try:
-        want = _forward_logits(model, prompts, 3)
-    finally:
-        fused.set_enabled(None)
+    fused_choice = model.kernels
+    assert fused_choice.fused_mhc
+    model.bind(fused_choice.with_(fused_mhc=False))
+    want = _forward_logits(model, prompts, 3)
+    model.bind(fused_choice)
     got = _forward_logits(model, prompts, 3)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     monkeypatch.setattr(Attention, "forward", lambda self, *a: (real(self, *a).float() * (1 + 2 ** -12)).bfloat16())

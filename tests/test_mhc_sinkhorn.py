@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.model import mhc
+from kvshare.layers import mhc_torch as mhc
 
 
 def _spec_sinkhorn(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvshare.layers import KernelChoice
 from kvshare.model import DenseCache, QuantMode
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import fit_block
@@ -61,6 +62,7 @@ def test_runtime_switch_equals_fresh_models() -> None:
 @pytest.mark.parametrize("name", ["cand", "tiny-v4"])
 def test_gradients_flow_through_quantised_forward(name: str) -> None:
     model = make_model(name, True).train()
+    model.bind(KernelChoice.reference())  # training: the autograd-capable torch reference
     ids = token_ids(model.cfg, 20)
     cache = DenseCache(model.cfg, model.topo, 1, MAX_LEN)
     logits = model(ids, StepBatch.build([0], [20]), cache)

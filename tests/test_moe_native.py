@@ -1,6 +1,6 @@
 """The MoE layer's experts in one native call (kernels/moe.py, csrc/moe.cpp).
 
-1. Bitwise the torch + per-expert-kernel path (`MoE.forward` with `_native_experts` switched off):
+1. Bitwise the torch reference (`MoE.forward_torch`, bound batch-invariant) against `forward_native`:
    bf16 and fp32 weights, with and without FP8 input rounding, T = 1, 2, 7, 33, 300 rows, k = 1
    and k = 2, experts that get no rows; the release's FP8 / FP4 formats kept packed (hash-routed
    and scored layers of tiny-v4, fake quantisation on and off).
@@ -11,7 +11,8 @@
 Mutations caught (each run against a mutated copy): AVX-512 instead of AMX for every weight (the
 bf16 k = 2 T = 300 case differs by 1e-3); no FP8 rounding of the SwiGLU output before w2 (7 tests);
 the C++ stamp check dropped (`in_place` edit); either global registration hook dropped
-(`new_parameter` / `new_expert`). Not distinguishable: an unstable grouping inside an expert (every
+(`new_parameter` / `new_expert`); `MoeExperts._native_experts` passing block 0 for the input's
+FP8 rounding (9 tests). Not distinguishable: an unstable grouping inside an expert (every
 row is computed alone and the combine reads rows by slot, so the order inside a group changes no bit).
 """
 
@@ -29,7 +30,7 @@ from kvshare.model.linear import QLinear
 from kvshare.model.loader import load_model
 from kvshare.model.moe import MoE
 from kvshare.model.quantize import QuantMode
-from kvshare.ops.invariant import active
+from kvshare.layers import KernelChoice, bind_model
 from test_kernels_model import _quantised_checkpoint
 from test_model_common import get_config
 import test_moe_batched
@@ -57,15 +58,19 @@ class _Spy:
         monkeypatch.setattr(native_moe, "experts", spy)
 
 
+NATIVE = KernelChoice(batch_invariant=True, gemm=True, native=True)
+
+
 def _both(moe: MoE, x: torch.Tensor, ids_in: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(native result, torch path result) of the layer in the batch-invariant mode."""
+    """(native result, torch reference result) of the layer bound batch-invariant native (the
+    `layers.moe_experts` equivalence test: `forward_native` against `forward_torch`)."""
+    bind_model(moe, NATIVE)
+    assert moe.impl == moe.forward_native
     spy = _Spy(monkeypatch)
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         got = moe(x, ids_in)
         assert spy.calls == 1
-        with monkeypatch.context() as m:
-            m.setattr(MoE, "_native_experts", lambda *a: None)
-            want = moe(x, ids_in)
+        want = moe.forward_torch(x, ids_in)
     return got, want
 
 
@@ -88,7 +93,8 @@ def test_experts_without_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad():
         moe.gate.bias.copy_(torch.tensor([100.0, 90.0, 0.0, 0.0]))
     x = torch.randn(33, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
-    with torch.inference_mode(), active(True):
+    bind_model(moe, NATIVE)
+    with torch.inference_mode():
         assert set(moe.gate(x, torch.zeros(33, dtype=torch.long))[1].flatten().tolist()) == {0, 1}
     got, want = _both(moe, x, torch.zeros(33, dtype=torch.long), monkeypatch)
     assert torch.equal(got, want)
@@ -99,7 +105,8 @@ def test_rows_do_not_depend_on_the_other_rows(monkeypatch: pytest.MonkeyPatch) -
     x = torch.randn(33, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
     ids = torch.zeros(33, dtype=torch.long)
     spy = _Spy(monkeypatch)
-    with torch.inference_mode(), active(True):
+    bind_model(moe, NATIVE)
+    with torch.inference_mode():
         whole = moe(x, ids)
         for r in (0, 5, 32):
             assert torch.equal(moe(x[r:r + 1], ids[:1]), whole[r:r + 1]), r
@@ -115,7 +122,8 @@ def test_fp32_matches_the_spec_formula(monkeypatch: pytest.MonkeyPatch) -> None:
     moe64 = _moe(torch.float64, act=False)
     x = torch.randn(13, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     spy = _Spy(monkeypatch)
-    with torch.inference_mode(), active(True):
+    bind_model(moe, NATIVE)
+    with torch.inference_mode():
         got = moe(x, torch.zeros(13, dtype=torch.long))
     assert spy.calls == 1
     monkeypatch.setattr(test_moe_batched, "_fp8", lambda v, block: v)  # the formula without FP8 rounding
@@ -185,7 +193,8 @@ def test_changed_weights_are_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(9, moe.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(6)).bfloat16()
     ids = torch.zeros(9, dtype=torch.long)
     for edit in _edits(moe):
-        with torch.no_grad(), active(True):
+        bind_model(moe, NATIVE)
+        with torch.no_grad():
             before = moe(x, ids)
             edit()
         got, want = _both(moe, x, ids, monkeypatch)

@@ -47,11 +47,36 @@ def test_native_fake_quant_fp8_is_quants_bits(dtype: torch.dtype, block: int, n:
 def test_strided_input_and_act_quant_route() -> None:
     x = _rows(6, 512, torch.bfloat16, seed=3)[:, ::2]  # a non-contiguous view, 256 wide
     assert torch.equal(native.fake_quant_fp8(x, 128), fake_quant_fp8(x, 128, ue8m0=True))
-    assert torch.equal(act_quant(x, 128), fake_quant_fp8(x, 128, ue8m0=True))
+    assert torch.equal(act_quant(x, 128, native=True), fake_quant_fp8(x, 128, ue8m0=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width,block", [(256, 128), (96, 32), (48, 32)])  # 48: the block fitted to 16
+def test_act_quant_native_is_the_torch_rounding(dtype: torch.dtype, width: int, block: int, monkeypatch) -> None:
+    """`layers.quant.act_quant` with ``native`` (what a `QLinear` bound to a native choice passes)
+    = the torch rounding, bitwise, and the kernel ran. Mutation caught (run): `fp8_round` handing the
+    kernel ``block * 2``."""
+    from kvshare.layers import KernelChoice
+    from kvshare.model.linear import QLinear
+    from kvshare.model.quantize import QuantMode
+
+    g = torch.Generator().manual_seed(width)
+    steps = torch.pow(2.0, torch.randint(-6, 7, (1, width // 16), generator=g).float()).repeat_interleave(16, 1)
+    x = (_rows(9, width, torch.float32, seed=width) * steps).to(dtype)  # scales that change along a row
+    calls = []
+    real = native.fake_quant_fp8
+    monkeypatch.setattr(native, "fake_quant_fp8", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(act_quant(x, block, native=True), act_quant(x, block))
+    assert calls
+    lin = QLinear(width, 8, QuantMode.of(True), block).to(dtype).requires_grad_(False)
+    want = lin(x)  # built bound to the reference: the torch rounding
+    lin.bind_kernels(KernelChoice(gemm=True, native=True))
+    n = len(calls)
+    assert torch.equal(lin(x), want) and len(calls) == n + 1
 
 
 def test_autograd_inputs_keep_the_torch_path() -> None:
     x = torch.randn(2, 128, requires_grad=True)
     assert native.fake_quant_fp8(x, 128) is None  # the straight-through estimator needs torch ops
-    act_quant(x, 128).sum().backward()
+    act_quant(x, 128, native=True).sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))

@@ -29,33 +29,24 @@ import pytest
 import torch
 
 from kvshare.config import load_config
+from kvshare.kernels import available
 from kvshare.kernels import decode as native
 from kvshare.kernels import mhc as fused_mhc
 from kvshare.kernels import moe as native_moe
+from kvshare.layers import KernelChoice
 from kvshare.model import Transformer
-from kvshare.model import mhc
+from kvshare.layers import mhc_torch as mhc
 from kvshare.model.dense_cache import DenseCache
-from kvshare.ops import invariant
 from kvshare.runtime import StepBatch
 
-pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(not available(), reason="native kernels unavailable on this machine")
 
 ROWS = (1, 2, 7, 8, 33)
 
 
-def _torch_path():
-    """The reference: model/mhc.py with the native kernels off, inside a batch-invariant forward."""
-    class _Ctx:
-        def __enter__(self):
-            native.set_enabled(False)
-            self.inv = invariant.active(True)
-            self.inv.__enter__()
-
-        def __exit__(self, *exc):
-            self.inv.__exit__(*exc)
-            native.set_enabled(None)
-
-    return _Ctx()
+#: a model / layer bound to the native kernels in the batch-invariant mode (the exact kernels; the
+#: native attention off: its own summation order)
+NATIVE = KernelChoice(batch_invariant=True, gemm=True, native=True, fused_mhc=True, fused_attn_proj=True)
 
 
 def _mixes(t: int, hc: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,9 +60,8 @@ def _mixes(t: int, hc: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def test_mhc_post_gives_the_bits_of_the_torch_mix(t: int, hc: int) -> None:
     m, base, scale = _mixes(t, hc, 10 * t + hc)
     pre, post, comb = native.mhc_post(m, base, scale, hc, 1e-6, 20)
-    with _torch_path():
-        want_pre = mhc.hc_pre_of(m, base, scale, hc, 1e-6)
-        want_post, want_comb = mhc.hc_post_comb(m, base, scale, hc, 1e-6, 20)
+    want_pre = mhc.hc_pre_of(m, base, scale, hc, 1e-6, True)  # the batch-invariant torch reference
+    want_post, want_comb = mhc.hc_post_comb(m, base, scale, hc, 1e-6, 20, True)
     assert torch.equal(pre, want_pre) and torch.equal(post, want_post) and torch.equal(comb, want_comb)
     # not a trivial comb: Sinkhorn ended on a column division by (sum + eps), so columns sum to
     # 1 - O(eps) (observed 1.1e-6 off), and brought the rows near 1 (observed within 0.03 after
@@ -94,8 +84,7 @@ def test_collapse_and_expand_give_the_bits_of_the_torch_ones(dtype: torch.dtype,
     h = torch.randn(t, hc, d, generator=g).to(dtype)
     y = torch.randn(t, d, generator=g).to(dtype)
     pre, post, comb = native.mhc_post(*_mixes(t, hc, d), hc, 1e-6, 20)
-    with _torch_path():
-        want_x, want_h = mhc.hc_collapse(h, pre), mhc.hc_expand(h, y, post, comb)
+    want_x, want_h = mhc.hc_collapse(h, pre), mhc.hc_expand(h, y, post, comb)
     for n in ROWS:  # every call size gives each row the bits of the torch path's whole call
         assert torch.equal(native.mhc_collapse(h[:n], pre[:n]), want_x[:n]), n
         assert torch.equal(native.mhc_expand(h[:n], y[:n], post[:n], comb[:n]), want_h[:n]), n
@@ -115,18 +104,6 @@ def test_bad_inputs_name_the_argument() -> None:
         native.mhc_collapse(h, torch.zeros(3, 4))
     with pytest.raises(RuntimeError, match="h must be bf16 or fp32"):
         native.mhc_collapse(h.double(), torch.zeros(2, 4))
-
-
-def test_the_switch_selects_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSHARE_NATIVE_DECODE", "off")
-    assert not native.enabled()
-    monkeypatch.delenv("KVSHARE_NATIVE_DECODE")
-    assert native.enabled()
-    native.set_enabled(False)
-    try:
-        assert not native.enabled()
-    finally:
-        native.set_enabled(None)
 
 
 def _model_and_prompts(name: str, dtype: torch.dtype, n_seq: int) -> tuple[Transformer, list[list[int]]]:
@@ -157,30 +134,27 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
     """Prefill every prompt in one step, then decode `decode_steps` steps of the whole batch (the
     argmax token appended, or the argmax of `feed`'s logits of that step), with the native kernels
     `on` or off (and the native attention as `attention` says); the logits of every step."""
-    native.set_enabled(on, attention=on and attention)
-    try:
-        n = len(prompts)
-        cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + decode_steps + 1,
-                           dtype=next(model.parameters()).dtype)
-        out = []
-        seqs = [list(p) for p in prompts]
-        starts, lens = [0] * n, [len(p) for p in prompts]
-        ids = [t for p in prompts for t in p]
-        with torch.inference_mode():
-            for _ in range(decode_steps + 1):
-                ends = [sum(lens[:i + 1]) - 1 for i in range(n)]
-                batch = StepBatch.build(starts, lens, list(range(n)), logit_rows=ends)
-                x = model(torch.tensor(ids), batch, cache)
-                out.append(x)
-                nxt = (x if feed is None else feed[len(out) - 1]).argmax(-1).tolist()
-                for i in range(n):
-                    seqs[i].append(nxt[i])
-                starts = [len(s) - 1 for s in seqs]
-                lens = [1] * n
-                ids = nxt
-        return out
-    finally:
-        native.set_enabled(None)
+    model.bind(NATIVE.with_(attention=attention) if on else KernelChoice(batch_invariant=True, gemm=True))
+    n = len(prompts)
+    cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + decode_steps + 1,
+                       dtype=next(model.parameters()).dtype)
+    out = []
+    seqs = [list(p) for p in prompts]
+    starts, lens = [0] * n, [len(p) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    with torch.inference_mode():
+        for _ in range(decode_steps + 1):
+            ends = [sum(lens[:i + 1]) - 1 for i in range(n)]
+            batch = StepBatch.build(starts, lens, list(range(n)), logit_rows=ends)
+            x = model(torch.tensor(ids), batch, cache)
+            out.append(x)
+            nxt = (x if feed is None else feed[len(out) - 1]).argmax(-1).tolist()
+            for i in range(n):
+                seqs[i].append(nxt[i])
+            starts = [len(s) - 1 for s in seqs]
+            lens = [1] * n
+            ids = nxt
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -214,19 +188,21 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
 @pytest.mark.parametrize("shape", [(1, 8, 128), (7, 3, 40), (33, 64)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_gives_the_bits_of_the_torch_rotation(dtype: torch.dtype, shape: tuple[int, ...], inverse: bool) -> None:
+    """`layers.rope.RotaryEmbedding` bound native = bound torch, bitwise. Mutation caught (run): the
+    native implementation handing the kernel S for -S (the inverse flag ignored)."""
     from kvshare.model.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(sum(shape))
     rope = RotaryEmbedding(shape[-1] // 2 if shape[-1] != 40 else 16, 160000.0, None)
     x = torch.randn(*shape, generator=g).to(dtype)
     pos = torch.randint(0, 5000, (shape[0],), generator=g)
-    with _torch_path():
-        want = rope.rotate(x, pos, inverse=inverse)
-    with invariant.active(True):
-        got = rope.rotate(x, pos, inverse=inverse)
-        assert torch.equal(got, want)
-        y = x.clone()
-        assert rope.rotate(y, pos, inverse=inverse, inplace=True) is y and torch.equal(y, want)
+    want = rope.rotate(x, pos, inverse=inverse)  # a layer is built bound to the torch reference
+    rope.bind(KernelChoice(gemm=True, native=True))  # the native kernel in every mode
+    assert rope.impl == rope.forward_native
+    got = rope.rotate(x, pos, inverse=inverse)
+    assert torch.equal(got, want)
+    y = x.clone()
+    assert rope.rotate(y, pos, inverse=inverse, inplace=True) is y and torch.equal(y, want)
     # the rotation itself: the complex product in float64 at the module's fp32 angles (observed
     # max error / max |output| 2.7e-3 bf16 (the output's rounding), 9.5e-8 fp32)
     rd = rope.rope_dim
@@ -337,22 +313,22 @@ def test_sparse_attention_kernel_against_the_formula(dtype: torch.dtype, m: int,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [768, 3072, 128, 100, 8, 12, 4096])
 def test_rms_norm_gives_the_bits_of_the_torch_norm(dtype: torch.dtype, n: int) -> None:
-    from kvshare.model.norm import RMSNorm, rms_normalize, rms_normalize_as
+    from kvshare.layers.norm import RMSNorm, rms_normalize, rms_normalize_as
 
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(33, n, generator=g) * 3).to(dtype)
     norm = RMSNorm(n, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
-    with _torch_path():
-        want_w, want, want_as = norm(x), rms_normalize(x, 1e-6), rms_normalize_as(x, 1e-6)
+    want_w, want, want_as = norm(x), rms_normalize(x, 1e-6), rms_normalize_as(x, 1e-6)  # built: the reference
     for m in (1, 2, 33):  # every call size gives each row the torch path's bits
         with torch.no_grad():
             assert torch.equal(native.rms_norm(x[:m], norm.weight, 1e-6, dtype), want_w[:m]), m
         assert torch.equal(native.rms_norm(x[:m], None, 1e-6, torch.float32), want[:m]), m
         assert torch.equal(native.rms_norm(x[:m], None, 1e-6, dtype), want_as[:m]), m
-    with torch.no_grad(), invariant.active(True):  # and the model's functions take it
-        assert torch.equal(norm(x), want_w) and torch.equal(rms_normalize(x, 1e-6), want)
+    norm.bind(NATIVE)  # and the layer and the functions take it
+    with torch.no_grad():
+        assert torch.equal(norm(x), want_w) and torch.equal(rms_normalize(x, 1e-6, native=True), want)
     # the torch path is the formula (float64; observed max error / max |out| 1.3e-7, fp32 result)
     x64 = x.double()
     exact = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
@@ -369,8 +345,7 @@ def test_swiglu_gives_the_bits_of_the_torch_one(dtype: torch.dtype, limit: float
     gate = (torch.randn(n, inter, generator=g) * 6).to(dtype)
     up = (torch.randn(n, inter, generator=g) * 6).to(dtype)
     w = torch.rand(n, generator=g) * 2
-    with _torch_path():
-        want = _swiglu(gate.clone(), up.clone(), w, limit)
+    want = _swiglu(gate.clone(), up.clone(), w, limit)  # the torch reference
     assert torch.equal(native.swiglu(gate, up, w, limit), want)
     assert torch.equal(native.swiglu(gate[3:4], up[3:4], w[3:4], limit), want[3:4])  # a row alone
     # the torch path is the formula (float64; observed max error / max |h| 5.8e-3 bf16, 1.1e-7 fp32)
@@ -420,8 +395,7 @@ def test_moe_route_gives_the_scores_and_picks_of_the_torch_gate(func: str, t: in
     logits[0, 1] = logits[0, 0]  # a tie: the lower id must come first
     with torch.no_grad():
         gate.bias[1] = gate.bias[0]
-        with _torch_path():
-            want_w, want_ids = gate._route(logits, torch.zeros(t, dtype=torch.long))
+        want_w, want_ids = gate._route(logits, torch.zeros(t, dtype=torch.long), True)  # batch-invariant torch
         w, ids = native.moe_route(logits, gate.bias.detach(), k, func)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
@@ -436,7 +410,8 @@ def test_moe_gate_gives_the_bits_of_the_torch_gate(arch: str, t: int, e: int, k:
     scores + bias (or the hash table's experts), weights / sum * routed scale. Mutations caught: the
     torch path's normalising sum in torch's own order (fp32, k = 6: the last bit differs); the hash
     layer's scores taken at the picks' positions instead of their experts (the hash cases with k > 1;
-    at k = 1 the normalised weight is 1 whatever the score)."""
+    at k = 1 the normalised weight is 1 whatever the score); `layers.moe_gate.Gate.forward_native` handing
+    the kernel a temperature of 1 (the 8 V4.1 cases)."""
     from kvshare.bench.sizes import FULL, peer_v4_config, v41_config
     from kvshare.config import ModelConfig
     from kvshare.model.moe import Gate
@@ -455,9 +430,11 @@ def test_moe_gate_gives_the_bits_of_the_torch_gate(arch: str, t: int, e: int, k:
             gate.bias.copy_(torch.randn(e, generator=g) * 0.3)
     x = torch.randn(t, cfg.hidden_size, generator=g).to(dtype)
     ids_in = torch.randint(0, cfg.vocab_size, (t,), generator=g)
-    with torch.no_grad(), invariant.active(True):
-        with _torch_path():
-            want_w, want_ids = gate(x, ids_in)
+    with torch.no_grad():
+        gate.bind(KernelChoice(batch_invariant=True))  # the batch-invariant torch reference
+        want_w, want_ids = gate(x, ids_in)
+        gate.bind(NATIVE)
+        assert gate.impl == gate.forward_native
         calls = []
         real = native.moe_gate
         native.moe_gate = lambda *a: calls.append(1) or real(*a)

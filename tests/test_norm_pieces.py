@@ -1,4 +1,4 @@
-"""model.norm.rms_normalize_as: x / sqrt(mean(x^2) + eps) per row (eps 0.5, so eps shows),
+"""layers.norm.rms_normalize_as: x / sqrt(mean(x^2) + eps) per row (eps 0.5, so eps shows),
 rounded once into x's dtype; the same bits whole or in pieces of rows (pieces of 3 rows here,
 with a remainder piece)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvshare.model.norm as norm
+import kvshare.layers.norm as norm
 
 
 def _reference(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvshare.config import load_config
+from kvshare.layers import KernelChoice
 from kvshare.model.deepseek import Transformer
 from kvshare.shipped import resolve_config_path
 from kvshare.train.baselines import ByteNgram
@@ -31,7 +32,9 @@ def _tiny_byte_model(seed: int = 0) -> Transformer:
     raw = json.loads(resolve_config_path("tiny-v41").read_text())
     raw.update(vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
     torch.manual_seed(seed)
-    return Transformer(load_config(raw), quant=True).init_weights(seed).float()
+    model = Transformer(load_config(raw), quant=True).init_weights(seed).float()
+    model.bind(KernelChoice.reference())  # training: the autograd-capable torch reference
+    return model
 
 
 def _fake_stdlib(root: Path) -> None:

@@ -45,15 +45,15 @@ replace stays the reference and the fallback:
   (a V4 compressor's APE; one rounded fp32 add per element, the bits of the torch add): one call
   where the torch code takes the widening, the product and four indexing / add ops.
 
-`enabled()` is False without the native library (no compiler, ``KVSHARE_KERNELS=off``,
-``ATEN_CPU_CAPABILITY=default``) or with ``KVSHARE_NATIVE_DECODE=off`` (or `set_enabled(False)`);
-callers then run the torch code. ``KVSHARE_NATIVE_ATTENTION=off`` keeps the other kernels and runs
-the torch attention (`attention_enabled()`), so a forward has exactly the torch path's bits.
+Which of these a model runs is bound once per model build (`kvshare.layers`: the model's layers
+hold the choice). Transitional (issue 34): the model files not yet bound (attention, indexer,
+compressor) and the cache codecs still ask `serves` / `attention_enabled` / `held` per call; inside a
+forward `forward_scope` answers them from the model's bound choice, outside from `enabled()` (False
+without the native library, or with ``KVSHARE_NATIVE_DECODE=off``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -61,51 +61,37 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from kvshare.kernels.build import best_isa, library
+from kvshare.layers import switches as env_switches
 
 if TYPE_CHECKING:
     from kvshare.kernels.packed import Packed
 
-_SWITCH: dict[str, bool | None] = {"on": None, "attention": None}
 _FLOATS = (torch.float32, torch.bfloat16)
 _scope = threading.local()  # per thread: tensor-parallel tests run ranks as threads
 
 
-def set_enabled(on: bool | None, attention: bool | None = None) -> None:
-    """Force the native decode kernels on / off for this process (None: back to the environment);
-    `attention` likewise for `sparse_attention` alone (the one kernel with bits of its own)."""
-    _SWITCH["on"] = on
-    _SWITCH["attention"] = attention
-
-
 def attention_enabled() -> bool:
-    """Whether `sparse_attention` serves the model: `enabled()` and not switched off by
-    ``KVSHARE_NATIVE_ATTENTION=off`` or ``set_enabled(..., attention=False)``."""
+    """Transitional: whether `sparse_attention` serves the attention files not yet bound: inside a
+    forward the `forward_scope`'s answer (the model's bound choice), outside `enabled()` unless
+    ``KVSHARE_NATIVE_ATTENTION`` is off."""
     held = getattr(_scope, "attention", None)
     if held is not None:
         return held
-    forced = _SWITCH["attention"]
-    if forced is False:
-        return False
-    if forced is None and os.environ.get("KVSHARE_NATIVE_ATTENTION", "").lower() in ("off", "0", "torch"):
-        return False
-    return enabled()
+    return not env_switches.switched_off("attention") and enabled()
 
 
 def enabled() -> bool:
-    """Whether the model runs the native decode kernels (see module doc)."""
-    forced = _SWITCH["on"]
-    if forced is False:
-        return False
-    if forced is None and os.environ.get("KVSHARE_NATIVE_DECODE", "").lower() in ("off", "0", "torch"):
-        return False
-    return best_isa() != "torch"
+    """Transitional: whether the callers not yet bound (attention files, cache codecs) may run the
+    native decode kernels outside a forward: the library serves this machine and ``KVSHARE_NATIVE_DECODE``
+    is not off (read through `layers.switches`, the one reader of the environment)."""
+    return not env_switches.switched_off("native") and best_isa() != "torch"
 
 
 _SCOPED: dict[str, Callable[[], bool]] = {}
 
 
 def scoped_switch(name: str, decide: Callable[[], bool]) -> None:
-    """Register another module's switch (`kernels.mhc`, `kernels.attn_proj`): `forward_scope` asks
+    """Register another module's switch (`kernels.attn_proj`): `forward_scope` asks
     `decide` once per forward (where the kernels serve the forward at all) and `held(name)` answers it."""
     _SCOPED[name] = decide
 
@@ -118,23 +104,22 @@ def held(name: str) -> bool | None:
 
 
 @contextmanager
-def forward_scope(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Decide once, for a whole model forward, what `serves`, `attention_enabled` and the registered
-    switches (`scoped_switch`) answer.
+def forward_scope(native: bool, attention: bool, switches: dict[str, bool]) -> Iterator[None]:
+    """Transitional (issue 34): what `serves`, `attention_enabled` and `held` answer inside a model
+    forward, for the model files that still ask per call (attention, indexer, compressor).
 
-    Invariant the callers keep: inside a forward of a model whose activations are `dtype` on
-    `device`, every tensor handed to `serves` is such an activation or its fp32 widening (`wide`),
-    so the per-tensor checks would give the forward's answer every time; the scope answers from
-    the model's dtype and device instead (a decode step asks ~150 times). With autograd recording
-    the scope decides nothing (tensors may then require grad one by one). Nested scopes restore
-    the outer answer on exit.
+    `Transformer.forward` passes its bound choice (`KernelChoice.native`, ``attention``, and per
+    registered switch, e.g. ``{"attn_proj": fused_attn_proj}``); a registered module's own switch
+    (`kernels.attn_proj.set_enabled`) can still turn it off. The bound layers do not ask. With
+    autograd recording the scope decides nothing (tensors are then checked one by one). Nested
+    scopes restore the outer answer on exit.
     """
     prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None), getattr(_scope, "switches", None))
     _scope.serves = _scope.attention = _scope.switches = None  # (so the answers below ask the switches)
     if not torch.is_grad_enabled():
-        on = enabled() and device.type == "cpu" and dtype in _FLOATS
-        _scope.serves, _scope.attention = on, on and attention_enabled()
-        _scope.switches = {name: on and decide() for name, decide in _SCOPED.items()}
+        on = native and best_isa() != "torch"
+        _scope.serves, _scope.attention = on, on and attention
+        _scope.switches = {name: on and switches.get(name, False) and decide() for name, decide in _SCOPED.items()}
     try:
         yield
     finally:

@@ -1,4 +1,4 @@
-"""A sublayer's mHC work in one native call (csrc/mhc.cpp), with the switch that selects it.
+"""A sublayer's mHC work in one native call (csrc/mhc.cpp); `layers/mhc.FusedMhc` binds it.
 
 In a batch-invariant native forward, entering a sublayer used to be five native calls with Python
 between them (`model/mhc.py`: the RMS statistic of the flattened streams, the fp32 mix GEMM,
@@ -20,45 +20,16 @@ So every output has the bits of the unfused native calls, hence of the torch pat
 The mix weight `fn` is handed over as its fp32 pack (`kernels.pack_fp32`, what `ops.invariant.
 row_linear` multiplies by); base, scale and the norm weight may be bf16 (widened exactly).
 
-`enabled()` is False where `kernels.decode.enabled()` is, or with ``KVSHARE_NATIVE_MHC=off`` (or
-`set_enabled(False)`); the model then makes the unfused calls (same bits).
+A model bound without ``KernelChoice.fused_mhc`` (``KVSHARE_NATIVE_MHC=off``) makes the unfused
+calls instead (`layers/mhc.NativeMhc`, the same bits).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kvshare.kernels import decode as native
 from kvshare.kernels.build import best_isa, library
 from kvshare.kernels.packed import Packed
-
-_SWITCH: dict[str, bool | None] = {"on": None}
-
-
-def set_enabled(on: bool | None) -> None:
-    """Force the fused mHC calls on / off for this process (None: back to the environment)."""
-    _SWITCH["on"] = on
-
-
-def enabled() -> bool:
-    """Whether the model makes the fused mHC calls (see module doc); inside a forward, the
-    `decode.forward_scope`'s answer."""
-    held = native.held("mhc")
-    return _decide() if held is None else held
-
-
-def _decide() -> bool:
-    forced = _SWITCH["on"]
-    if forced is False:
-        return False
-    if forced is None and os.environ.get("KVSHARE_NATIVE_MHC", "").lower() in ("off", "0", "torch"):
-        return False
-    return native.enabled()
-
-
-native.scoped_switch("mhc", _decide)
 
 
 def _fp32_pack(fn: Packed | None) -> torch.Tensor:

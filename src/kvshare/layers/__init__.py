@@ -5,6 +5,21 @@ batched mode, or the batch-invariant mode with kvshare's native kernels. `BoundO
 base of every layer that has more than one implementation: `bind(choice)` picks one, and `forward`
 calls it; nothing in the network asks per call which backend serves it. `switches.py` is the one
 module that reads the environment (``KVSHARE_*``) into engine arguments.
+
+The layers (each with its torch reference and its native implementation(s)):
+
+| module | layer | implementations |
+|---|---|---|
+| norm.py | `RMSNorm` | `forward_torch`, `forward_native` (batch-invariant native) |
+| rope.py | `RotaryEmbedding` | `forward_torch`, `forward_native` (any native choice) |
+| linear.py | `Linear`, `QLinear` | `forward_torch` (oneDNN / F.linear), `forward_invariant`, `forward_packed` |
+| quant.py | FP8 / FP4 roundings | ``native`` argument (the caller's bound choice) |
+| mhc.py | `Mhc` (enter / boundary / leave / head) | `TorchMhc`, `NativeMhc`, `FusedMhc`, `ChunkedMhc` |
+| moe_gate.py | `Gate` | `forward_torch`, `forward_native` |
+| moe_experts.py | `MoeExperts` (base of `model.moe.MoE`) | `forward_torch`, `forward_native` |
+
+`transitional.py` holds what the model files not yet bound (attention, indexer, compressor) still
+call with a per-call decision; it goes when they bind.
 """
 
 from kvshare.layers.bound import BoundOp, bind_model

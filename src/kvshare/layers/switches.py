@@ -34,10 +34,19 @@ ENV_SWITCHES = {
 }
 
 
+_VAR_OF = {field: var for var, field in ENV_SWITCHES.items()}
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
     """The per-op overrides the environment asks for (field -> False), e.g. {"fused_mhc": False}."""
     env = os.environ if environ is None else environ
     return {field: False for var, field in ENV_SWITCHES.items() if env.get(var, "").strip().lower() in _OFF}
+
+
+def switched_off(field: str) -> bool:
+    """Whether the environment turns `field` off now (one variable read; for the transitional
+    per-call callers in `kernels/decode.py`)."""
+    return os.environ.get(_VAR_OF[field], "").strip().lower() in _OFF
 
 
 def resolve(batch_invariant: bool, device: torch.device, dtype: torch.dtype, kernels: str = "auto",

@@ -28,42 +28,28 @@ from torch import nn
 
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
-from kvshare.kernels import mhc as fused_mhc
-from kvshare.kernels.packed import Packed
 from kvshare.layers import KernelChoice, bind_model
 from kvshare.layers import switches
+from kvshare.layers.mhc import HcWeights, Mhc
 from kvshare.model.attention import Attention
 from kvshare.model.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import plain_linear
-from kvshare.model.mhc import hc_collapse, hc_expand, hc_head_pre, hc_mix, identity_pre
-from kvshare.model.mhc_chunked import HcWeights, hc_boundary, hc_enter, worth_chunking
+from kvshare.model.mhc import identity_pre
 from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
 from kvshare.ops import invariant
-from kvshare.ops.invariant import native_pack
 from kvshare.precision import wide
 from kvshare.runtime import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
 
 
-def _fused_mhc_serves(cfg: ModelConfig) -> bool:
-    """Whether a forward that runs the native mHC kernels makes them as fused calls (`kernels/mhc.py`):
-    switched on, no autograd, rows the native RMSNorm takes (hidden >= 8)."""
-    return fused_mhc.enabled() and not torch.is_grad_enabled() and cfg.hidden_size >= 8
-
-
-def _fp32_pack(fn: torch.Tensor) -> Packed | None:
-    """The fp32 pack `row_linear` multiplies by in the unfused path, ``native_pack(wide(fn))``: an fp32
-    parameter's own pack (without the `wide` call), a bf16 one's widened copy."""
-    return native_pack(fn if fn.dtype == torch.float32 else wide(fn))
-
-
 class Block(nn.Module):
-    """One backbone layer: mHC-wrapped attention sublayer, then mHC-wrapped MoE sublayer."""
+    """One backbone layer: mHC-wrapped attention sublayer, then mHC-wrapped MoE sublayer (`mhc`, a
+    parameterless bound layer, runs the mixes with this block's ``hc_{attn,ffn}_*`` parameters)."""
 
     def __init__(self, cfg: ModelConfig, topo: Topology, layer: int, mode: QuantMode,
                  quantizer: KVQuantizer) -> None:
@@ -79,6 +65,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
             setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
         self.engram = Engram(cfg, layer, mode) if layer in cfg.engram_layer_ids else None
+        self.mhc = Mhc(cfg.arch == "v41", cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps)
 
     def _hc_weights(self, sub: str) -> HcWeights:
         """Sublayer `sub`'s ("attn" / "ffn") mHC parameters and constants."""
@@ -86,76 +73,18 @@ class Block(nn.Module):
         return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                          getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
-    def _mix(self, sub: str, h: torch.Tensor, hw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w = self._hc_weights(sub)
-        return hc_mix(h, w.fn, w.base, w.scale, rms_eps=w.rms_eps, hc_eps=w.hc_eps, iters=w.iters, hw=hw)
-
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(streams after the block, the `pre` the next sublayer collapses with in V4.1)."""
-        lagged = self.cfg.arch == "v41"
         if self.engram is not None:  # pre_prev stays: it was computed from the pre-Engram stream (§7.1)
             assert ctx.engram_ids is not None
             h = self.engram(h, ctx.engram_ids[:, self.engram.index])
         taps = ctx.state.taps if ctx.state is not None else None
         if taps is not None and self.attn.layer in taps:  # DSpark: the stream entering this layer (after
             taps[self.attn.layer] = h.mean(dim=1)  # its Engram, spec engram_dspark.md §4 Q1)
-        if torch.is_grad_enabled() or invariant.is_on() or not worth_chunking(*h.shape):
-            return self._forward_unchunked(h, pre_prev, ctx, lagged)  # training; small steps (decode)
-        return self._forward_chunked(h, pre_prev, ctx, lagged)
-
-    def _forward_unchunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
-                           lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s sublayers with `model/mhc.py`'s whole-step functions (autograd-capable)."""
-        # the fp32 streams, converted once per sublayer for the mix, collapse and expand; the native
-        # kernels read the streams in their own dtype (the same values), so they need no copy
-        native_mhc = invariant.is_on() and native.serves(h)
-        if native_mhc and _fused_mhc_serves(self.cfg):
-            return self._forward_fused(h, pre_prev, ctx, lagged)
-        hw = None if native_mhc else wide(h)
-        pre, post, comb = self._mix("attn", h, hw)
-        x = hc_collapse(h, pre_prev if lagged else pre, hw)
-        h = hc_expand(h, self.attn(self.attn_norm(x), ctx), post, comb, hw)
-        pre_attn, hw = pre, None if native_mhc else wide(h)
-        pre, post, comb = self._mix("ffn", h, hw)
-        x = hc_collapse(h, pre_attn if lagged else pre, hw)
-        h = hc_expand(h, self.ffn(self.ffn_norm(x), ctx.input_ids), post, comb, hw)
-        return h, pre
-
-    def _fused_mix(self, sub: str) -> tuple[Packed | None, torch.Tensor, torch.Tensor]:
-        """Sublayer `sub`'s mix for `kernels/mhc.py`: (fn's fp32 pack, base, scale)."""
-        w = self._hc_weights(sub)
-        return _fp32_pack(w.fn), w.base, w.scale
-
-    def _forward_fused(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
-                       lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_forward_unchunked`'s native calls fused per sublayer boundary (`kernels/mhc.py`: the same
-        calls in the same order, so the same bits): enter(attn), attention, boundary(ffn), MoE, leave (expand)."""
-        cfg = self.cfg
-        consts = (cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        an, fnorm = self.attn_norm, self.ffn_norm
-        x, pre, post, comb = fused_mhc.enter(h, *self._fused_mix("attn"), pre_prev if lagged else None,
-                                             an.weight, an.eps, *consts)
-        y = self.attn(x, ctx)
-        if y.dtype != h.dtype:  # (sublayers return the stream dtype; otherwise the unfused calls, as before)
-            h = hc_expand(h, y, post, comb)
-            x, pre_f, post, comb = fused_mhc.enter(h, *self._fused_mix("ffn"), pre if lagged else None,
-                                                   fnorm.weight, fnorm.eps, *consts)
-        else:
-            h, x, pre_f, post, comb = fused_mhc.boundary(h, y, post, comb, *self._fused_mix("ffn"),
-                                                         pre if lagged else None, fnorm.weight, fnorm.eps, *consts)
-        y = self.ffn(x, ctx.input_ids)
-        return (fused_mhc.leave(h, y, post, comb) if y.dtype == h.dtype else hc_expand(h, y, post, comb)), pre_f
-
-    def _forward_chunked(self, h: torch.Tensor, pre_prev: torch.Tensor | None, ctx: StepContext,
-                         lagged: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s sublayers with the mHC passes of `model/mhc_chunked.py` (inference: same bits)."""
-        x, mix_a = hc_enter(h, self._hc_weights("attn"), pre_prev if lagged else None)
-        y = self.attn(self.attn_norm(x), ctx)
-        h, x, mix_f = hc_boundary(h, y, mix_a, self._hc_weights("ffn"), mix_a.pre if lagged else None)
-        assert x is not None and mix_f is not None
-        h, _, _ = hc_boundary(h, self.ffn(self.ffn_norm(x), ctx.input_ids), mix_f, None)
-        return h, mix_f.pre
+        x, mix = self.mhc.enter(h, self._hc_weights("attn"), self.attn_norm, pre_prev)
+        h, x, mix = self.mhc.boundary(h, self.attn(x, ctx), mix, self._hc_weights("ffn"), self.ffn_norm)
+        return self.mhc.leave(h, self.ffn(x, ctx.input_ids), mix), mix.pre
 
 
 class Transformer(nn.Module):
@@ -182,15 +111,27 @@ class Transformer(nn.Module):
         rd = cfg.qk_rope_head_dim
         self.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
         self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
+        self.mhc = Mhc(cfg.arch == "v41", cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps)  # the head's collapse
         self.tie_log: list[tuple[int, str, int]] | None = None
         self.kernels = KernelChoice.reference()
         self.bind(switches.default_choice())
 
     def bind(self, choice: KernelChoice) -> None:
         """Bind every layer's implementation to `choice` (the engine does this once, when it builds
-        the model; see `kvshare.layers`)."""
+        the model; see `kvshare.layers`). A model whose weights are not bf16 / fp32 on the CPU binds
+        without the native kernels (they take only those); `.to(...)` rebinds (`_apply`)."""
         self.kernels = choice
+        w = self.embed.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
+            choice = choice.with_(native=False)
+        self.bound = choice  # what the layers run (`kernels` with what these weights allow)
         bind_model(self, choice)
+        self.quantizer.bind(choice)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        out = super()._apply(fn, recurse)
+        self.bind(self.kernels)  # the layers' choices depend on the weights' dtype and device
+        return out
 
     @property
     def batch_invariant(self) -> bool:
@@ -217,8 +158,9 @@ class Transformer(nn.Module):
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
         """
-        w = self.embed.weight
-        with invariant.active(self.batch_invariant), native.forward_scope(w.dtype, w.device):
+        c = self.bound  # transitional (issue 34): the attention files not yet bound ask per call
+        with invariant.active(c.batch_invariant), native.forward_scope(c.native, c.attention,
+                                                                       {"attn_proj": c.fused_attn_proj}):
             return self._forward(input_ids, batch, cache, state)
 
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
@@ -236,17 +178,11 @@ class Transformer(nn.Module):
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
             pre = pre[batch.logit_rows] if pre is not None else None
-        if invariant.is_on() and native.serves(h) and _fused_mhc_serves(cfg):  # the tail in one call (same bits)
-            if cfg.arch == "v4":
-                x = fused_mhc.head(h, None, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps,
-                                   _fp32_pack(self.hc_head_fn), self.hc_head_base, self.hc_head_scale)
-            else:
-                x = fused_mhc.head(h, pre, self.norm.weight, self.norm.eps, cfg.rms_norm_eps, cfg.hc_eps)
-            return wide(self.head(x))
-        if cfg.arch == "v4":
-            pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale,
-                              rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
-        return wide(self.head(self.norm(hc_collapse(h, pre))))
+        head_mix = None
+        if cfg.arch == "v4":  # V4 collapses with the hc_head mixes' pre, V4.1 with the last sublayer's
+            head_mix = HcWeights(self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.rms_norm_eps,
+                                 cfg.hc_eps, 0)
+        return wide(self.head(self.mhc.head(h, pre, self.norm, head_mix)))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> "Transformer":

@@ -29,6 +29,7 @@ from torch import nn
 from kvshare.config import ModelConfig
 from kvshare.errors import ConfigError
 from kvshare.model.attention import Attention
+from kvshare.layers.mhc import Mhc
 from kvshare.model.deepseek import Block, Transformer
 from kvshare.model.dspark_window import DraftWindows
 from kvshare.model.linear import QLinear
@@ -91,6 +92,7 @@ class DSparkStage(Block):
             setattr(self, f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, width)))
             setattr(self, f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
             setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3)))
+        self.mhc = Mhc(cfg.arch == "v41", d, cfg.rms_norm_eps, cfg.hc_eps)
         if first:
             self.main_proj = QLinear(d * n_targets, d, mode, cfg.act_quant_block)
             self.main_norm = RMSNorm(d, cfg.rms_norm_eps)

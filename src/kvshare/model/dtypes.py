@@ -58,6 +58,10 @@ def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device | str 
                 if b.is_floating_point():
                     setattr(module, name, b.to(torch.float32 if narrow else dtype))
     pack_linears(model)
+    from kvshare.model.deepseek import Transformer  # (deepseek imports this module's neighbours)
+
+    if isinstance(model, Transformer):
+        model.bind(model.kernels)  # the layers' choices depend on the weights' dtypes
     return model
 
 

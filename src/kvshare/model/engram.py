@@ -38,6 +38,7 @@ from kvshare.config import ModelConfig
 from kvshare.errors import ConfigError
 from kvshare.model.engram_hash import EngramHasher, EngramLayout
 from kvshare.model.engram_table import EngramTable
+from kvshare.layers.choice import KernelChoice
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import QuantMode
 from kvshare.ops.invariant import pointwise
@@ -64,6 +65,12 @@ class Engram(nn.Module):
         # Tensor parallelism (parallel/engram_shard.py): (first column, end column, first table row,
         # all-gather) of this rank's hash columns; the table then holds only those columns' rows.
         self.tp_columns: tuple[int, int, int, Any] | None = None
+        self.invariant = False  # the gate's sigmoid row-invariant (`bind_kernels`)
+
+    def bind_kernels(self, choice: KernelChoice) -> None:
+        """Bind to `choice` (`kvshare.layers.bind_model`): the gate's element-wise sigmoid through
+        `ops.invariant.pointwise`'s vector loop for a batch-invariant choice."""
+        self.invariant = choice.batch_invariant
 
     def forward(self, h: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
         """Streams [T, hc, D] after the Engram add; `row_ids` [T, cols], `dead` [T] bool (gate closed)."""
@@ -83,7 +90,7 @@ class Engram(nn.Module):
         w = wide(self.q_weight) * wide(self.k_weight)
         r = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (x * w * key).sum(-1) * r / math.sqrt(d)
-        gate = pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        gate = pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot), self.invariant)
         if dead is not None:
             gate = gate.masked_fill(dead.unsqueeze(-1), 0.0)
         return (x + gate.unsqueeze(-1) * value.unsqueeze(1)).to(h.dtype)

@@ -1,6 +1,6 @@
 """The model's fake-quantisation policy (spec/model.md §6): which tensors are rounded, and how.
 
-`QuantMode` is a small mutable switchboard shared by every module of one `Transformer`; flipping a
+`QuantMode` (`kvshare.layers.quant`) is a small mutable switchboard shared by every module of one `Transformer`; flipping a
 field (``model.quant.cache = False``) takes effect on the next forward. With every field off the
 network is plain math (what transformers' DeepSeek-V4 computes).
 
@@ -20,67 +20,14 @@ latent uses FP8 blocks of 16 instead of 32. Real V4 / V4.1 widths always divide.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from kvshare.config import ModelConfig
-from kvshare.kernels import decode as native
+from kvshare.layers.choice import KernelChoice
+from kvshare.layers.quant import QuantMode, act_quant, fit_block, fp4_round, fp8_round
 from kvshare.ops.invariant import matmul_t
-from kvshare.kernels import rows as native_rows
-from kvshare.quant import ScaleFmt, fake_quant_fp4, fake_quant_fp8, straight_through
+from kvshare.quant import straight_through
 
-
-@dataclass
-class QuantMode:
-    """Which fake-quant groups are on.
-
-    ``cache``: window and compressed KV rows; ``index``: index keys and queries (and V4's Hadamard);
-    ``act``: FP8 rounding of the inputs of FP8/FP4-weight GEMMs.
-    """
-
-    cache: bool = True
-    index: bool = True
-    act: bool = True
-
-    @classmethod
-    def of(cls, q: "bool | QuantMode") -> "QuantMode":
-        """`True` / `False` mean all on / all off; a QuantMode is copied."""
-        if isinstance(q, QuantMode):
-            return cls(q.cache, q.index, q.act)
-        return cls(bool(q), bool(q), bool(q))
-
-    @property
-    def any(self) -> bool:
-        return self.cache or self.index or self.act
-
-
-def fit_block(width: int, block: int) -> int:
-    """`block` if it divides `width`, else the largest power of two dividing `width` (at most `block`)."""
-    if width % block == 0:
-        return block
-    return math.gcd(width, block)
-
-
-def act_quant(x: torch.Tensor, block: int) -> torch.Tensor:
-    """FP8 e4m3 (ue8m0 scales) rounding of a GEMM input along its last dim."""
-    return _fp8(x, fit_block(x.shape[-1], block))
-
-
-def _fp8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """`fake_quant_fp8(x, block, ue8m0=True)` (identity gradient), in one native call where served."""
-    fused = native.fake_quant_fp8(x, block)  # the same bits (None: not served here)
-    if fused is not None:
-        return fused
-    return straight_through(lambda t: fake_quant_fp8(t, block, ue8m0=True), x)
-
-
-def _fp4(x: torch.Tensor, block: int, scale_fmt: ScaleFmt) -> torch.Tensor:
-    """`fake_quant_fp4(x, block, scale_fmt)` (identity gradient), in one native call where served."""
-    if native_rows.serves(x) and x.dtype != torch.uint8:  # the same bits (kernels/rows.py)
-        return native_rows.fake_quant_fp4(x, block, scale_fmt)
-    return straight_through(lambda t: fake_quant_fp4(t, block, scale_fmt), x)
+__all__ = ["KVQuantizer", "QuantMode", "act_quant", "fit_block", "hadamard_matrix"]
 
 
 def hadamard_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
@@ -107,13 +54,20 @@ class KVQuantizer:
             self._win_block = fit_block(d - rd, 64) if d > rd else 0
         self._idx_block = fit_block(cfg.index_head_dim, 32) if cfg.index_head_dim else 0
         self._hadamard: torch.Tensor | None = None
+        self.bind(KernelChoice.reference())
+
+    def bind(self, choice: KernelChoice) -> None:
+        """Bind the roundings to `choice` (`Transformer.bind`): the native kernels where
+        ``choice.native`` (the same bits), the Hadamard product row-invariant where ``batch_invariant``."""
+        self.native = choice.native
+        self.invariant = choice.batch_invariant
 
     def _v4_nope_fp8(self, x: torch.Tensor) -> torch.Tensor:
         """V4 rows: FP8 nope dims; the rope dims are kept in bf16 (as the 584-B row stores them)."""
         rd = self.cfg.qk_rope_head_dim
         if self._win_block == 0:
             return x
-        nope = _fp8(x[..., :-rd], self._win_block)
+        nope = fp8_round(x[..., :-rd], self._win_block, self.native)
         rope = x[..., -rd:].to(torch.bfloat16).to(x.dtype)
         return torch.cat([nope, rope], dim=-1)
 
@@ -122,7 +76,7 @@ class KVQuantizer:
         if not self.mode.cache:
             return kv
         if self.cfg.arch == "v41":
-            return _fp8(kv, self._win_block)
+            return fp8_round(kv, self._win_block, self.native)
         return straight_through(self._v4_nope_fp8, kv)
 
     def compressed(self, kv: torch.Tensor) -> torch.Tensor:
@@ -130,7 +84,7 @@ class KVQuantizer:
         if not self.mode.cache:
             return kv
         if self.cfg.arch == "v41":
-            return _fp4(kv, self._comp_block, "e4m3")
+            return fp4_round(kv, self._comp_block, "e4m3", self.native)
         return straight_through(self._v4_nope_fp8, kv)
 
     def index(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,5 +95,5 @@ class KVQuantizer:
             n = x.shape[-1]
             if self._hadamard is None or self._hadamard.device != x.device:
                 self._hadamard = hadamard_matrix(n, x.device)
-            x = matmul_t(x.float(), self._hadamard.t()).to(x.dtype)
-        return _fp4(x, self._idx_block, "ue8m0")
+            x = matmul_t(x.float(), self._hadamard.t(), self.invariant).to(x.dtype)
+        return fp4_round(x, self._idx_block, "ue8m0", self.native)

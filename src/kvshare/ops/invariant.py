@@ -54,13 +54,16 @@ _state = threading.local()  # per thread: tensor-parallel tests run ranks as thr
 
 
 def is_on() -> bool:
-    """Whether the forward running on this thread is batch-invariant (see `active`)."""
+    """Transitional (issue 34): whether the forward running on this thread is batch-invariant (see
+    `active`). Only the model files not yet bound read it (attention, indexer, compressor); every
+    function below takes the choice as an argument instead."""
     return getattr(_state, "on", False)
 
 
 @contextmanager
 def active(on: bool) -> Iterator[None]:
-    """Run the enclosed forward batch-invariant (`on`) or not; restores the previous setting."""
+    """Transitional: run the enclosed forward batch-invariant (`on`) or not for `is_on`'s readers;
+    restores the previous setting."""
     prev = is_on()
     _state.on = on
     try:
@@ -69,10 +72,9 @@ def active(on: bool) -> Iterator[None]:
         _state.on = prev
 
 
-def matmul_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T``: `row_linear` inside a batch-invariant forward, else the plain product (same
-    bits as the model had before the switch existed)."""
-    return row_linear(x, w) if is_on() else x @ w.t()
+def matmul_t(x: torch.Tensor, w: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``x @ w.T``: `row_linear` for a batch-invariant caller (`invariant`), else the plain product."""
+    return row_linear(x, w) if invariant else x @ w.t()
 
 
 def native_pack(w: torch.Tensor):
@@ -123,15 +125,17 @@ def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)``, through `row_linear` inside a batch-invariant forward."""
-    return row_linear(x, w) if is_on() else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
+    """``F.linear(x, w)``, through `row_linear` for a batch-invariant caller (`invariant`; None:
+    transitional, the thread's `is_on`, for model/compressor.py until it passes its choice)."""
+    on = is_on() if invariant is None else invariant
+    return row_linear(x, w) if on else F.linear(x, w)
 
 
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for an element-wise `fn`; inside a batch-invariant forward every element takes
-    torch's vector loop (x flattened and padded to a multiple of VECTOR_PAD; see module doc)."""
-    if not is_on():
+def pointwise(fn, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``fn(x)`` for an element-wise `fn`; for a batch-invariant caller (`invariant`) every element
+    takes torch's vector loop (x flattened and padded to a multiple of VECTOR_PAD; see module doc)."""
+    if not invariant:
         return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()

@@ -93,7 +93,9 @@ def base_dir(base: str) -> Path:
 
 
 def build(tc: DSparkTrainConfig) -> tuple[torch.nn.Module, ModelConfig]:
-    """(fp32 target with fresh-initialised stages as ``mtp``, its DSpark config); only mtp trains."""
+    """(fp32 target with fresh-initialised stages as ``mtp``, its DSpark config); only mtp trains.
+    Bound to the torch reference (`KernelChoice.reference()`): autograd runs through the stages."""
+    from kvshare.layers import KernelChoice
     from kvshare.model.deepseek import Transformer
     from kvshare.model.dspark import attach_dspark
     from kvshare.model.loader import load_checkpoint, load_state_into
@@ -104,6 +106,7 @@ def build(tc: DSparkTrainConfig) -> tuple[torch.nn.Module, ModelConfig]:
     attach_dspark(model)
     load_state_into(model, {k: v.float() for k, v in load_checkpoint(src, load_config(str(src))).items()})
     model.float()
+    model.bind(KernelChoice.reference())
     init_stages(model, tc.seed)
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp."))

@@ -67,7 +67,8 @@ def train_losses(model: Any, contexts: list[torch.Tensor]) -> tuple[torch.Tensor
 def lm_loss(
     model: Any, contexts: list[torch.Tensor], cache_factory: CacheFactory = dense_cache_factory
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) over all predicted positions of the contexts."""
+    """Mean next-token cross-entropy (nats) over all predicted positions of the contexts (for gradients,
+    `model` must be bound to `KernelChoice.reference()`: the native implementations assume no autograd)."""
     logits, targets = forward_contexts(model, contexts, cache_factory)
     return F.cross_entropy(logits.float(), targets)
 

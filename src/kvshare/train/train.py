@@ -66,13 +66,16 @@ class TrainConfig:
 
 def build_model(cfg_name: str, seed: int, quant: bool, init_from: str = "") -> torch.nn.Module:
     """The inference Transformer in fp32 for training: freshly initialised from `seed`, or, with
-    `init_from` (a release directory), holding that release's weights (its config must equal `cfg_name`'s)."""
+    `init_from` (a release directory), holding that release's weights (its config must equal `cfg_name`'s).
+    Bound to the torch reference (`KernelChoice.reference()`): autograd runs through every layer."""
+    from kvshare.layers import KernelChoice
     from kvshare.model.deepseek import Transformer
     from kvshare.model.loader import load_checkpoint, load_state_into
 
     cfg = load_config(cfg_name)
     torch.manual_seed(seed)
     model = Transformer(cfg, quant=quant)
+    model.bind(KernelChoice.reference())
     model.init_weights(seed)
     if init_from:
         src = load_config(init_from)
