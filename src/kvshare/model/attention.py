@@ -164,7 +164,7 @@ class Attention(nn.Module):
         over gathered rows. None (nothing done, nothing deferred) where it does not serve: the native
         attention off, no in-place reads in this backend (the dense cache), or quantised rows."""
         cache = ctx.cache
-        if (not hasattr(cache, "window_keys") or q.dtype != kv.dtype or q.shape[-1] % 8
+        if (q.dtype != kv.dtype or q.shape[-1] % 8
                 or not native.attention_enabled() or not native.serves(q, kv)):
             return None
         rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch) if self.ratio > 0 else None

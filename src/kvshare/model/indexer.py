@@ -141,7 +141,7 @@ class Indexer(nn.Module):
         scores summed in the kernel's own order (csrc/index.h), so a pick may differ from the torch
         path's only where two scores are within that rounding of each other."""
         pre, cache, k = ctx.addr.prefix(self.ratio), ctx.cache, self.cfg.index_topk
-        rows = cache.pool_keys("index_k", self.layer, q.dtype, ctx.batch) if hasattr(cache, "pool_keys") else None
+        rows = cache.pool_keys("index_k", self.layer, q.dtype, ctx.batch)
         if rows is not None:
             return index_topk(q, w, rows.view, q.dtype, ctx.seq_index, pre.compress_len, k, rows.tables, rows.ratio,
                               rows.block_size)

@@ -48,7 +48,7 @@ def select(idx: "Indexer", ctx: "StepContext", x: torch.Tensor, qr: torch.Tensor
         f = fused_of(idx)
         if f is None or qr.dtype != f.packs.act_dtype or hooked(f.hooks):
             return None
-        rows = cache.pool_keys("index_k", idx.layer, qr.dtype, ctx.batch) if hasattr(cache, "pool_keys") else None
+        rows = cache.pool_keys("index_k", idx.layer, qr.dtype, ctx.batch)
         if rows is not None:
             picks = attn_proj.index_select(qr, x, f.packs, c, s, idx.n_heads, scale, f.qr_block, rows.view, qr.dtype,
                                            ctx.seq_index, pre.compress_len, k, rows.tables, rows.ratio, rows.block_size)
