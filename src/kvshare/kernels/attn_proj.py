@@ -8,7 +8,7 @@ group's ``wo_a`` product, then ``wo_b``. The GEMMs are the C++ functions `kernel
 with its ISA (`best_isa`), padding and thread split; RMSNorm, RoPE and the FP8 rounding are
 `kernels.decode`'s. So the bits are the torch path's in the batch-invariant mode, by construction.
 
-**The pack set** (`ProjPacks`, `pack_set`; `model/attention_native.py` keeps it on the module): the
+**The pack set** (`ProjPacks`, `pack_set`; `layers/attn_proj.py` keeps it on the module): the
 packs of wq_a, wq_b, wkv, each wo_a group and wo_b, taken from where the torch path takes them
 (an FP8 / FP4 checkpoint weight's own `Packed`, else `ops.invariant.native_pack` of the dense
 weight or group view), so nothing is packed twice. It is stale when a watched tensor changed its

@@ -28,12 +28,12 @@ from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import paged_attention
-from kvshare.model import attention_native
+from kvshare.layers.attn_proj import AttnIn, AttnOut
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.model.context import StepContext
 from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
-from kvshare.model.norm import RMSNorm, rms_normalize_as
+from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.ops import invariant, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
@@ -68,22 +68,13 @@ class Attention(nn.Module):
                                          overlap=overlap_factor(cfg.arch, plan.ratio) == 2, ape=cfg.arch == "v4")
         if plan.is_index_source:
             self.indexer = Indexer(cfg, topo, plan, mode, quantizer)
+        self.project_in = AttnIn(self)  # [T, D] -> qr, q, kv (bound: torch composition / one native call)
+        self.project_out = AttnOut(self)  # [T, H, d] -> [T, D] (inverse RoPE, grouped wo_a, wo_b)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        t = x.shape[0]
         pos = ctx.positions
         rope = ctx.rope_for(self.ratio)
-        fused = attention_native.project_in(self, x, pos, rope)  # the same bits in one native call
-        if fused is not None:
-            qr, q, kv = fused
-        else:
-            qr = self.q_norm(self.wq_a(x))
-            q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-            owned = self.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
-            if owned:
-                q = rms_normalize_as(q, self.cfg.rms_norm_eps)
-            q = rope.rotate(q, pos, inplace=owned)
-            kv = rope.rotate(self.kv_norm(self.wkv(x)), pos, inplace=True)
+        qr, q, kv = self.project_in(x, pos, rope)
         kv = self.quantizer.window(kv)
         scale, batch, addr = self.head_dim**-0.5, ctx.batch, ctx.addr
         if invariant.is_on():
@@ -103,21 +94,6 @@ class Attention(nn.Module):
             win_valid = torch.cat([win_valid, comp_valid], dim=1)
             o = sparse_attention(q, win, win_valid, self.attn_sink, scale)
         return self.project_out(o, pos, rope)
-
-    def project_out(self, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
-        """Inverse RoPE at the query positions, then grouped ``wo_a`` and ``wo_b`` ([T, H, d] -> [T, D])."""
-        y = attention_native.project_out(self, o, pos, rope)  # the same bits in one native call
-        if y is not None:
-            return y
-        o = rope.rotate(o, pos, inverse=True, inplace=True)  # o: the attention's fresh output
-        g = self.n_groups
-        wo_a = self.wo_a.weight.view(g, self.cfg.o_lora_rank, -1)
-        og = o.reshape(o.shape[0], g, -1)
-        if invariant.is_on():  # per group: a row-invariant product of each row with its group's wo_a
-            u = torch.stack([invariant.row_linear(og[:, i], wo_a[i]) for i in range(g)], dim=1).flatten(1)
-        else:
-            u = torch.einsum("tgi,goi->tgo", og, wo_a).flatten(1)
-        return self.wo_b(u)
 
     def _attend_rows(self, ctx: StepContext, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
                      kv: torch.Tensor, scale: float) -> torch.Tensor:

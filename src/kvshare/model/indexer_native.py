@@ -20,7 +20,9 @@ import torch
 
 from kvshare.kernels import attn_proj
 from kvshare.kernels.moe import per_generation
-from kvshare.model.attention_native import hook_dicts, hooked, pack_of, serves
+from kvshare.kernels import decode as native
+from kvshare.layers.attn_proj import hook_dicts, hooked, pack_of
+from kvshare.ops import invariant
 from kvshare.model.quantize import fit_block
 
 if TYPE_CHECKING:
@@ -35,6 +37,11 @@ class FusedQuery:
     packs: attn_proj.ProjPacks
     qr_block: int  # FP8 block of wq_b's input (0: none)
     hooks: tuple[dict, ...]
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the fused query may take x: a batch-invariant native forward without autograd."""
+    return invariant.is_on() and attn_proj.enabled() and native.serves(x) and not torch.is_grad_enabled()
 
 
 def select(idx: "Indexer", ctx: "StepContext", x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor | None:
