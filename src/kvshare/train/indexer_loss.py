@@ -14,7 +14,7 @@ the loss is ``KL(target || indexer)`` averaged over token rows with at least one
 
 Capture works by wrapping, for the duration of one forward, the functions the model modules
 call (``index_scores`` / ``candidate_scores`` in `model/indexer.py`, ``sparse_attention`` /
-``prefix_attention`` in `model/attention.py`) and by forward pre-hooks naming the layer that runs;
+``prefix_attention`` in `layers/attention.py`) and by forward pre-hooks naming the layer that runs;
 the model code is unchanged. While capturing, candidate-restricted scoring is replaced by full
 scoring (the model masks with the candidates afterwards, so it selects the same rows), because the
 KL needs every causal entry's score.
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-import kvshare.model.attention as attention_mod
+import kvshare.layers.attention as attention_mod
 import kvshare.model.indexer as indexer_mod
 from kvshare.runtime import StepBatch
 
