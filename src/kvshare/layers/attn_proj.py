@@ -39,13 +39,12 @@ from kvshare.kernels.moe import per_generation
 from kvshare.kernels.packed import Packed
 from kvshare.layers.bound import BoundOp
 from kvshare.layers.choice import KernelChoice
-from kvshare.model.linear import Linear
-from kvshare.model.norm import rms_normalize_as
-from kvshare.model.quantize import QuantMode, fit_block
 from kvshare.ops import invariant
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (kvshare.model imports this module: its functions are imported where used)
     from kvshare.model.attention import Attention
+    from kvshare.model.linear import Linear
+    from kvshare.model.quantize import QuantMode
     from kvshare.model.rope import RotaryEmbedding
 
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
@@ -75,6 +74,8 @@ class AttnIn(Owned):
 
     def forward_torch(self, x: torch.Tensor, pos: torch.Tensor, rope: "RotaryEmbedding"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from kvshare.model.norm import rms_normalize_as
+
         a = self.owner
         qr = a.q_norm(a.wq_a(x))
         q = a.wq_b(qr).view(x.shape[0], a.n_heads, a.head_dim)
@@ -166,7 +167,7 @@ class Fused:
 
     packs: attn_proj.ProjPacks
     norms: tuple[torch.Tensor, torch.Tensor]  # q_norm, kv_norm weights in fp32 (the parameters when fp32)
-    mode: QuantMode
+    mode: "QuantMode"
     blocks: tuple[int, int, int]  # FP8 blocks of x (wq_a, wkv), qr (wq_b), u (wo_b) when mode.act
     head_norm: bool  # V4: q is RMS-normalised per head
     in_hooks: tuple[dict, ...]  # forward (pre-)hook dicts of the modules attn_in stands for
@@ -183,7 +184,7 @@ def hook_dicts(*mods: nn.Module) -> tuple[dict, ...]:
     return tuple(d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks))
 
 
-def pack_of(lin: Linear, w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:
+def pack_of(lin: "Linear", w: torch.Tensor | None = None) -> tuple[Packed, torch.Tensor] | None:
     """(pack, watched tensor) of a linear (or of `w`, a view of its weight) as the torch path uses
     it: the FP8 / FP4 checkpoint pack, else `invariant.native_pack`; None when it has neither."""
     if w is None and lin.qweight is not None:
@@ -202,6 +203,8 @@ def _build(attn: "Attention") -> Fused | None:
     torch path's bits: a ``wo_a`` kept FP8-packed, projections of mixed quantisation modes or FP8
     blocks, norms of another eps or dtype, rows under 8 values (torch's own RMSNorm), weights the
     kernels do not pack (float64)."""
+    from kvshare.model.quantize import fit_block
+
     cfg, g = attn.cfg, attn.n_groups
     qlin = (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_b)
     norms = (attn.q_norm, attn.kv_norm)
