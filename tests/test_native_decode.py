@@ -156,8 +156,11 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
             feed: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Prefill every prompt in one step, then decode `decode_steps` steps of the whole batch (the
     argmax token appended, or the argmax of `feed`'s logits of that step), with the native kernels
-    `on` or off (and the native attention as `attention` says); the logits of every step."""
+    `on` or off (and the native attention as `attention` says); the logits of every step. The layers
+    bound once (kvshare.layers) are rebound for it; the others still follow `set_enabled`."""
     native.set_enabled(on, attention=on and attention)
+    bound = model.kernels
+    model.bind(bound.with_(native=on, attention=on and attention))
     try:
         n = len(prompts)
         cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + decode_steps + 1,
@@ -180,6 +183,7 @@ def _logits(model: Transformer, prompts: list[list[int]], decode_steps: int, on:
                 ids = nxt
         return out
     finally:
+        model.bind(bound)
         native.set_enabled(None)
 
 

@@ -58,15 +58,15 @@ def test_a_float64_model_forward_never_reaches_the_kernels(monkeypatch: pytest.M
 
 
 def test_registered_switches_are_decided_once_per_forward() -> None:
-    """`kernels.mhc` and `kernels.attn_proj` register their switches (`scoped_switch`): inside a scope
+    """`kernels.mhc` registers its switch (`scoped_switch`): inside a scope
     `enabled()` answers what was decided at entry (the switch flipped inside does not change it; the
     next forward sees it), a float64 model's scope says False, and outside a scope the switch is
     asked. Mutation caught: the scope storing the switches without the `on` of the forward (the
     float64 scope then answers True)."""
-    from kvshare.kernels import attn_proj, mhc
+    from kvshare.kernels import mhc
 
     with torch.no_grad():
-        for mod in (mhc, attn_proj):
+        for mod in (mhc,):
             try:
                 with native.forward_scope(torch.bfloat16, torch.device("cpu")):
                     assert mod.enabled()

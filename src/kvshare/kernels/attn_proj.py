@@ -15,43 +15,18 @@ weight or group view), so nothing is packed twice. It is stale when a watched te
 address, dtype or in-place version (checked in C++ on every call: the call returns None); the
 caller also rebuilds it after any parameter or submodule registration (`kernels.moe.generation`).
 
-``KVSHARE_NATIVE_ATTN_PROJ=off`` (or `set_enabled(False)`) keeps the torch composition.
+Which implementation a model runs is bound once (`kvshare.layers.attn_proj`, `KernelChoice.fused_attn_proj`;
+``KVSHARE_NATIVE_ATTN_PROJ=off`` reaches it through `kvshare.layers.switches`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from kvshare.kernels import decode as native
 from kvshare.kernels.build import best_isa, library
 from kvshare.kernels.packed import FORMAT_ID, Packed
-
-_SWITCH: dict[str, bool | None] = {"on": None}
-
-
-def set_enabled(on: bool | None) -> None:
-    """Force the fused projections on / off for this process (None: back to the environment)."""
-    _SWITCH["on"] = on
-
-
-def enabled() -> bool:
-    """Whether the fused projections may serve (the caller checks the rest: mode, dtype, packs);
-    inside a forward, the `decode.forward_scope`'s answer."""
-    held = native.held("attn_proj")
-    return _decide() if held is None else held
-
-
-def _decide() -> bool:
-    forced = _SWITCH["on"]
-    if forced is not None:
-        return forced
-    return os.environ.get("KVSHARE_NATIVE_ATTN_PROJ", "").lower() not in ("off", "0", "torch")
-
-
-native.scoped_switch("attn_proj", _decide)
 
 
 @dataclass(eq=False)

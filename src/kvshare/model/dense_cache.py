@@ -114,8 +114,9 @@ class DenseCache:
             last = groups.last if index is groups.j else (int(index.max()) if index.numel() else -1)
             if last >= table.shape[1]:
                 raise IndexError(f"compressed row {last} of layer {layer} exceeds max_len {self.max_len}")
-            if values.requires_grad and torch.is_grad_enabled():
-                # Training: rebuild the table out of place so later reads in this forward carry gradients.
+            if values.requires_grad:
+                # Training (values autograd tracks): rebuild the table out of place so later reads in
+                # this forward carry gradients (the same values as the in-place write).
                 self.rows[(kind, owner)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
             else:
                 table[batch.slots[seq], index] = values.detach().to(table.dtype)
