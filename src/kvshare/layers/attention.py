@@ -109,7 +109,7 @@ class PagedAttention(BoundOp):
 
     def forward_native(self, q: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor | None, ctx: "StepContext",
                        sink: torch.Tensor) -> torch.Tensor:
-        if not (servable(q) and servable(kv)):
+        if not servable(q):  # (kv of another dtype than q: `in_place` and `_attend_native` decline it)
             return self.forward_invariant(q, kv, picks, ctx, sink)
         o = self.in_place(q, kv, picks, ctx, sink)
         return o if o is not None else self._rows(q, kv, picks, ctx, sink, self._attend_native)
@@ -193,5 +193,7 @@ class PagedAttention(BoundOp):
 
 
 def servable(t: torch.Tensor) -> bool:
-    """Whether the native kernels take `t` in this call: a CPU bf16 / fp32 tensor autograd does not track."""
-    return t.device.type == "cpu" and t.dtype in _FLOATS and not (t.requires_grad and torch.is_grad_enabled())
+    """Whether the native kernels take the activation `t` in this call: bf16 / fp32 (a model cast
+    after it was bound may run other dtypes), autograd not tracking it. The device is a bind-time
+    fact (`KernelChoice`: native only for a CPU model). One tensor attribute read without autograd."""
+    return t.dtype in _FLOATS and not (torch.is_grad_enabled() and t.requires_grad)

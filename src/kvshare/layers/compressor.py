@@ -149,6 +149,6 @@ class CompressPool(BoundOp):
         return (torch.softmax(score, dim=1) * kv).sum(dim=1).to(dtype)
 
     def forward_native(self, hist: torch.Tensor, valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        if hist.dtype != torch.float32 or not servable(hist):
+        if hist.dtype != torch.float32 or (torch.is_grad_enabled() and hist.requires_grad):
             return self.forward_torch(hist, valid, dtype)
         return native.compress_pool(hist, valid, self.dim, self.overlap, dtype)
