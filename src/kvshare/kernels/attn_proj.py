@@ -3,7 +3,7 @@
 `attn_in(x, ...)` computes what `Attention.forward` computes before the attention, bitwise:
 ``qr = q_norm(wq_a(x))``, ``q = RoPE((V4: per-head RMSNorm of) wq_b(qr))`` and
 ``kv = RoPE(kv_norm(wkv(x)))``, with the FP8 rounding of the GEMM inputs where the model has it;
-`attn_out(o, ...)` what `Attention.project_out` computes: the inverse RoPE of o (in place), each
+`attn_out(o, ...)` what `layers.attn_proj.AttnOut` computes: the inverse RoPE of o (in place), each
 group's ``wo_a`` product, then ``wo_b``. The GEMMs are the C++ functions `kernels.linear` calls,
 with its ISA (`best_isa`), padding and thread split; RMSNorm, RoPE and the FP8 rounding are
 `kernels.decode`'s. So the bits are the torch path's in the batch-invariant mode, by construction.
