@@ -1,8 +1,8 @@
 """Attention's input and output projections in one native call each (kernels/attn_proj.py,
-csrc/attn_proj.cpp, model/attention_native.py).
+csrc/attn_proj.cpp, the bound layers `layers.attn_proj.AttnIn` / `AttnOut`).
 
-1. Bitwise the torch composition of the batch-invariant mode (`Attention.forward`'s q / kv lines,
-   `Attention.project_out` with the fused call switched off): tiny-v4 (per-head q norm) and
+1. Bitwise the torch composition of the batch-invariant mode (`AttnIn.forward_torch`'s q / kv lines
+   as written out here, `AttnOut.forward_invariant`): tiny-v4 (per-head q norm) and
    tiny-v41, bf16 (fp32 norms as `cast_model` keeps them, and bf16 norms as ``.to(bf16)`` makes
    them) and fp32, FP8 input rounding on and off, T = 1, 2, 8, 33, every layer (both RoPE tables);
    odd shapes (K odd: zero-padded staging; outputs not a multiple of 16); the bench's peer V4
@@ -13,7 +13,8 @@ csrc/attn_proj.cpp, model/attention_native.py).
 4. Edited or replaced weights are noticed; a forward hook (tensor parallelism's reduce on wo_b)
    keeps the torch path; bad arguments are refused naming the field.
 5. Engine: every sampled logits row of tiny-v4 / tiny-v41 bitwise with the fused calls on and off
-   (``KVSHARE_NATIVE_ATTN_PROJ=off``).
+   (``EngineArgs.kernel_overrides={"fused_attn_proj": False}``, what ``KVSHARE_NATIVE_ATTN_PROJ=off`` asks).
+6. Binding: which implementation each choice binds.
 
 Mutations caught (each run against a mutated copy, see the report of issue 26 part 2): V4's per-head
 norm skipped in C++; the forward (S) table instead of -S in `project_out`; the x / qr / u FP8
@@ -34,11 +35,11 @@ from kvshare.engine.engine import LLMEngine
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.build import library
-from kvshare.model import Transformer, attention_native
+from kvshare.layers import attn_proj as layer
+from kvshare.model import Transformer
 from kvshare.model.attention import Attention
 from kvshare.model.dtypes import cast_model
 from kvshare.model.loader import load_model
-from kvshare.model.norm import rms_normalize_as
 from kvshare.ops.invariant import active
 from test_engine_exact import greedy_random_run, spy_logits
 from test_kernels_model import _quantised_checkpoint
@@ -63,20 +64,13 @@ def _rope(model: Transformer, attn: Attention):
 
 
 def _torch_in(attn: Attention, x: torch.Tensor, pos: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
-    """`Attention.forward`'s torch lines for qr, q and kv (before the window quantiser)."""
-    qr = attn.q_norm(attn.wq_a(x))
-    q = attn.wq_b(qr).view(x.shape[0], attn.n_heads, attn.head_dim)
-    if attn.cfg.arch == "v4":
-        q = rms_normalize_as(q, attn.cfg.rms_norm_eps)
-    return qr, rope.rotate(q, pos), rope.rotate(attn.kv_norm(attn.wkv(x)), pos)
+    """The layer's torch composition for qr, q and kv (before the window quantiser)."""
+    return attn.project_in.forward_torch(x, pos, rope)
 
 
 def _torch_out(attn: Attention, o: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
-    attn_proj.set_enabled(False)
-    try:
-        return attn.project_out(o.clone(), pos, rope)
-    finally:
-        attn_proj.set_enabled(None)
+    """The batch-invariant torch composition of the output projection."""
+    return attn.project_out.forward_invariant(o.clone(), pos, rope)
 
 
 def _check_layers(model: Transformer, rows=ROWS, seed: int = 0) -> None:
@@ -90,13 +84,13 @@ def _check_layers(model: Transformer, rows=ROWS, seed: int = 0) -> None:
             for t in rows:
                 x = torch.randn(t, model.cfg.hidden_size, generator=g).to(dtype)
                 pos = torch.randint(0, 3000, (t,), generator=g)
-                got = attention_native.project_in(attn, x, pos, rope)
+                got = attn.project_in.fused(x, pos, rope)
                 assert got is not None, (i, t)
                 for name, a, b in zip(("qr", "q", "kv"), got, _torch_in(attn, x, pos, rope)):
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (
                         i, t, name, (a.float() - b.float()).abs().max())
                 o = torch.randn(t, attn.n_heads, attn.head_dim, generator=g).to(dtype)
-                y = attention_native.project_out(attn, o.clone(), pos, rope)
+                y = attn.project_out.fused(o.clone(), pos, rope)
                 want = _torch_out(attn, o, pos, rope)
                 assert y is not None and y.dtype == dtype and torch.equal(y, want), (
                     i, t, (y.float() - want.float()).abs().max())
@@ -158,12 +152,12 @@ def test_rows_do_not_depend_on_the_other_rows() -> None:
     o = torch.randn(33, attn.n_heads, attn.head_dim, generator=g).bfloat16()
     pos = torch.arange(100, 133)
     with torch.inference_mode(), active(True):
-        whole = attention_native.project_in(attn, x, pos, rope)
-        whole_y = attention_native.project_out(attn, o.clone(), pos, rope)
+        whole = attn.project_in.fused(x, pos, rope)
+        whole_y = attn.project_out.fused(o.clone(), pos, rope)
         for r in (0, 5, 32):
-            one = attention_native.project_in(attn, x[r:r + 1], pos[r:r + 1], rope)
+            one = attn.project_in.fused(x[r:r + 1], pos[r:r + 1], rope)
             assert all(torch.equal(a, b[r:r + 1]) for a, b in zip(one, whole)), r
-            y = attention_native.project_out(attn, o[r:r + 1].clone(), pos[r:r + 1], rope)
+            y = attn.project_out.fused(o[r:r + 1].clone(), pos[r:r + 1], rope)
             assert torch.equal(y, whole_y[r:r + 1]), r
 
 
@@ -199,8 +193,8 @@ def test_fp32_matches_the_spec_formulas(name: str) -> None:
             x = torch.randn(8, model.cfg.hidden_size, generator=g)
             o = torch.randn(8, a.n_heads, a.head_dim, generator=g)
             pos = torch.randint(0, 3000, (8,), generator=g)
-            qr, q, kv = attention_native.project_in(a, x, pos, rope)
-            y = attention_native.project_out(a, o.clone(), pos, rope)
+            qr, q, kv = a.project_in.fused(x, pos, rope)
+            y = a.project_out.fused(o.clone(), pos, rope)
             x64, f = x.double(), rope.freqs64
             qr64 = _rms64(x64 @ a.wq_a.weight.double().T, a.q_norm.weight, eps)
             q64 = (qr64 @ a.wq_b.weight.double().T).view(8, a.n_heads, a.head_dim)
@@ -225,9 +219,9 @@ def test_edited_and_replaced_weights_are_noticed() -> None:
     pos = torch.tensor([7, 8])
 
     def same() -> None:
-        got = attention_native.project_in(attn, x, pos, rope)
+        got = attn.project_in.fused(x, pos, rope)
         assert all(torch.equal(a, b) for a, b in zip(got, _torch_in(attn, x, pos, rope)))
-        assert torch.equal(attention_native.project_out(attn, o.clone(), pos, rope), _torch_out(attn, o, pos, rope))
+        assert torch.equal(attn.project_out.fused(o.clone(), pos, rope), _torch_out(attn, o, pos, rope))
 
     with active(True), torch.no_grad():
         same()
@@ -244,43 +238,62 @@ def test_a_forward_hook_keeps_the_torch_path() -> None:
     """Tensor parallelism sums wo_b's output over ranks in a forward hook: the fused call must not
     skip it (nor any other hook on the modules it stands for)."""
     model = _model("tiny-v41", torch.float32)
+    model.batch_invariant = True  # binds the fused calls (this machine has the native kernels)
     attn, rope = model.layers[0].attn, model.rope_main
     o = torch.randn(1, attn.n_heads, attn.head_dim)
     pos = torch.tensor([3])
     with torch.inference_mode(), active(True):
-        before = attention_native.project_out(attn, o.clone(), pos, rope)
+        before = attn.project_out.fused(o.clone(), pos, rope)
         assert before is not None
         handle = attn.wo_b.register_forward_hook(lambda _m, _i, out: out * 2)
-        assert attention_native.project_out(attn, o.clone(), pos, rope) is None
+        assert attn.project_out.fused(o.clone(), pos, rope) is None
         assert torch.equal(attn.project_out(o.clone(), pos, rope), 2 * before)  # the hook ran
         handle.remove()
         pre = attn.wq_a.register_forward_pre_hook(lambda _m, _i: None)
-        assert attention_native.project_in(attn, torch.randn(1, model.cfg.hidden_size), pos, rope) is None
+        assert attn.project_in.fused(torch.randn(1, model.cfg.hidden_size), pos, rope) is None
         pre.remove()
-        assert attention_native.project_in(attn, torch.randn(1, model.cfg.hidden_size), pos, rope) is not None
+        assert attn.project_in.fused(torch.randn(1, model.cfg.hidden_size), pos, rope) is not None
 
 
-def test_the_switch_and_the_modes_that_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_choice_binds_the_implementation() -> None:
+    """The batched mode binds the torch composition (oneDNN's products: other bits); a batch-invariant
+    model the fused calls, or with ``fused_attn_proj`` off the row-invariant torch composition.
+    Mutation caught: `AttnIn.select` binding the fused call in the batched mode."""
+    model = _model("tiny-v41", torch.float32)
+    attn = model.layers[0].attn
+    assert model.kernels.fused_attn_proj and not model.batch_invariant
+    assert attn.project_in.impl == attn.project_in.forward_torch
+    assert attn.project_out.impl == attn.project_out.forward_torch
+    model.batch_invariant = True
+    assert attn.project_in.impl == attn.project_in.forward_native
+    assert attn.project_out.impl == attn.project_out.forward_native
+    model.bind(model.kernels.with_(fused_attn_proj=False))
+    assert attn.project_in.impl == attn.project_in.forward_torch
+    assert attn.project_out.impl == attn.project_out.forward_invariant
+
+
+def test_the_calls_that_keep_the_torch_path() -> None:
+    """Per-call facts the fused calls fall back on (the same bits): an activation dtype the packs do
+    not take (float64), autograd recording."""
     model = _model("tiny-v41", torch.float32)
     attn, rope = model.layers[0].attn, model.rope_main
     x, pos = torch.randn(1, model.cfg.hidden_size), torch.tensor([3])
-    with torch.inference_mode():
-        assert attention_native.project_in(attn, x, pos, rope) is None  # the batched mode: oneDNN's bits
-        with active(True):
-            assert attention_native.project_in(attn, x, pos, rope) is not None
-            monkeypatch.setenv("KVSHARE_NATIVE_ATTN_PROJ", "off")
-            assert attention_native.project_in(attn, x, pos, rope) is None
-            monkeypatch.delenv("KVSHARE_NATIVE_ATTN_PROJ")
-            assert attention_native.project_in(attn, x.double(), pos, rope) is None
+    model.batch_invariant = True
     with active(True):  # autograd recording: the torch path
-        assert attention_native.project_in(attn, x, pos, rope) is None
+        assert attn.project_in.fused(x, pos, rope) is None
+        got = attn.project_in(x, pos, rope)
+        assert got[0].requires_grad
+        assert all(torch.equal(a, b) for a, b in zip(got, attn.project_in.forward_torch(x, pos, rope)))
+    with torch.no_grad(), active(True):
+        assert attn.project_in.fused(x, pos, rope) is not None
+        assert attn.project_in.fused(x.double(), pos, rope) is None
 
 
 def test_bad_arguments_are_refused_naming_the_field() -> None:
     model = _model("tiny-v41", torch.float32)
     attn, rope = model.layers[0].attn, model.rope_main
     with torch.inference_mode(), active(True):
-        f = attention_native.fused_of(attn)
+        f = layer.fused_of(attn)
         x, pos = torch.randn(2, model.cfg.hidden_size), torch.tensor([3, 4])
         c, s, s_neg = rope.native_tables(pos)
         args = (f.packs, f.norms[0], f.norms[1], 1e-6)
@@ -310,8 +323,6 @@ def test_bad_arguments_are_refused_naming_the_field() -> None:
 def _serve(name: str, dtype: torch.dtype, fused: bool, monkeypatch: pytest.MonkeyPatch):
     """Greedy tokens and every sampled logits row of a batch-invariant paged engine (chunked
     prefill, batched decode), with the fused projections on or off; and how many fused calls ran."""
-    if not fused:
-        monkeypatch.setenv("KVSHARE_NATIVE_ATTN_PROJ", "off")
     model = Transformer(load_config(name), quant=True).init_weights(3).eval()
     calls = [0]
     real_in, real_out = attn_proj.attn_in, attn_proj.attn_out
@@ -327,7 +338,8 @@ def _serve(name: str, dtype: torch.dtype, fused: bool, monkeypatch: pytest.Monke
     monkeypatch.setattr(attn_proj, "attn_out", count(real_out))
     v4 = name == "tiny-v4"  # its ratio-128 layer needs blocks of 128
     eng = LLMEngine(model, batch_invariant=True, dtype=str(dtype).split(".")[1], block_size=128 if v4 else 16,
-                    num_blocks=12 if v4 else 40, max_num_seqs=4, max_num_batched_tokens=19)
+                    num_blocks=12 if v4 else 40, max_num_seqs=4, max_num_batched_tokens=19,
+                    kernel_overrides=None if fused else {"fused_attn_proj": False})
     rows = spy_logits(eng)
     done = greedy_random_run(eng, model.cfg.vocab_size, (37, 5, 23, 140), seed=4)
     monkeypatch.undo()

@@ -1,7 +1,7 @@
-"""The indexer's query side and top-k in one native call (model/indexer_native.py,
+"""The indexer's query side and top-k in one native call (`layers.index_select.IndexSelect.fused`,
 kernels/attn_proj.index_select, csrc/attn_proj.cpp `index_query`).
 
-Its picks must be those of `Indexer.native_select` over the queries and head weights the torch code
+Its picks must be those of `IndexSelect.native_scores` over the queries and head weights the torch code
 projects (wq_b with its FP8 input rounding where the model has it, RoPE, weights_proj, the scale):
 the spies below recompute that selection beside every fused call of paged, batched, chunked engine
 runs and compare. The selection itself is tested against the spec's formula in
@@ -21,11 +21,11 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
-from kvshare.model import Transformer, indexer_native
+from kvshare.layers import index_select
+from kvshare.layers.index_select import IndexSelect
+from kvshare.model import Transformer
 from kvshare.model.quantize import QuantMode
-from kvshare.precision import wide
 
 from test_engine_exact import greedy_random_run
 
@@ -33,19 +33,15 @@ pytestmark = pytest.mark.skipif(not native.enabled(), reason="native kernels una
 
 
 def _torch_picks(idx, ctx, x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
-    """`Indexer.select`'s scored path with the torch projections (what the fused call replaces)."""
-    t = x.shape[0]
-    q = idx.wq_b(qr).view(t, idx.n_heads, idx.head_dim)
-    q = idx.quantizer.index(ctx.rope_compress.rotate(q, ctx.positions))
-    w = wide(idx.weights_proj(x)) * (idx.head_dim**-0.5 * idx.n_heads**-0.5)
-    return idx.native_select(ctx, q, w)
+    """The native selection over the torch projections (what the fused call replaces)."""
+    return idx.native_scores(ctx, *idx.queries(ctx, x, qr))
 
 
-def _run(dtype: torch.dtype, quant: QuantMode, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+def _run(dtype: torch.dtype, quant: QuantMode, monkeypatch: pytest.MonkeyPatch, **engine_args) -> list[bool]:
     """tiny-v4 (index_topk 4: every step past 16 tokens scores), three requests in a paged engine
     with chunked prefill; returns, per fused call, whether its picks equal the torch projections'."""
     model = Transformer(load_config("tiny-v4"), quant=quant).init_weights(3).eval().to(dtype)
-    real = indexer_native.select
+    real = IndexSelect.fused
     same: list[bool] = []
 
     def spy(idx, ctx, x, qr):
@@ -54,9 +50,9 @@ def _run(dtype: torch.dtype, quant: QuantMode, monkeypatch: pytest.MonkeyPatch) 
             same.append(torch.equal(got, _torch_picks(idx, ctx, x, qr)))
         return got
 
-    monkeypatch.setattr(indexer_native, "select", spy)
+    monkeypatch.setattr(IndexSelect, "fused", spy)
     eng = LLMEngine(model, batch_invariant=True, quantize=quant, dtype=str(dtype).split(".")[1],
-                    block_size=128, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17)
+                    block_size=128, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17, **engine_args)
     greedy_random_run(eng, model.cfg.vocab_size, (40, 9, 27), seed=8)
     return same
 
@@ -79,18 +75,15 @@ def test_a_quantised_index_keeps_the_torch_queries(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_switch_and_a_hook_keep_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    attn_proj.set_enabled(False)
-    try:
-        assert _run(torch.bfloat16, QuantMode(False, False, False), monkeypatch) == []
-    finally:
-        attn_proj.set_enabled(None)
+    assert _run(torch.bfloat16, QuantMode(False, False, False), monkeypatch,
+                kernel_overrides={"fused_attn_proj": False}) == []  # bound to forward_native: no fused call
     calls: list[int] = []
-    real_build = indexer_native._build
+    real_build = index_select._build
 
     def build(idx):  # a forward hook on weights_proj, as tensor parallelism or a user may add
         idx.weights_proj.register_forward_hook(lambda *a: calls.append(1))
         return real_build(idx)
 
-    monkeypatch.setattr(indexer_native, "_build", build)
+    monkeypatch.setattr(index_select, "_build", build)
     assert _run(torch.bfloat16, QuantMode(False, False, False), monkeypatch) == []
     assert calls  # the hooked weights_proj ran: the torch projections

@@ -2,7 +2,7 @@
 
 A row at position p picks at most its causal compressed count ``(p + 1) // ratio`` entries, listed
 first (ops/topk.py), so rows whose length bucket b is below ``index_topk`` k gather min(b, k) columns
-instead of k (`Attention._attend_rows`; prefill at released sizes was 8x slower than the batched
+instead of k (`PagedAttention._rows`; prefill at released sizes was 8x slower than the batched
 path before, from gathering k mostly-empty rows per query). Checked against the batched engine
 (per-sequence `prefix_attention`, a different code path) in float64, with k = 96 > BUCKET = 64 so
 rows fall in buckets of 64 (trimmed) and 128 (all k columns): every prompt token's log-probability

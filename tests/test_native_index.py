@@ -24,11 +24,10 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
-from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
 from kvshare.kernels.attn import index_topk
 from kvshare.model import Transformer
-from kvshare.model.indexer import Indexer
+from kvshare.layers.index_select import IndexSelect
 from kvshare.ops.topk import select_topk
 
 from test_engine_exact import greedy_random_run
@@ -116,21 +115,23 @@ def test_pool_in_place_gives_the_gathered_picks(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_engine_native_picks_equal_the_torch_selection(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-v4 (k = 4, so every step past 16 tokens scores): each native selection of a paged,
-    batched, chunked run is compared with the torch path's selection over the same inputs."""
+    """`IndexSelect`'s native selection against its row-invariant torch one: tiny-v4 (k = 4, so every
+    step past 16 tokens scores), each native selection of a paged, batched, chunked run is compared
+    with the torch selection over the same inputs, bitwise. Mutation caught (both dtypes): the
+    native selection given the causal counts minus one (``pre.compress_len - 1`` in `native_scores`)."""
     model = Transformer(load_config("tiny-v4"), quant=False).init_weights(2).eval().to(dtype)
-    real = Indexer.native_select
+    real = IndexSelect.native_scores
     calls = []
 
     def both(self, ctx, q, w):
         got = real(self, ctx, q, w)
-        calls.append(torch.equal(got, self.scored_select(ctx, q, w)))
+        calls.append(torch.equal(got, self.scored(ctx, q, w, rows_alone=True)))
         return got
 
-    monkeypatch.setattr(Indexer, "native_select", both)
-    # the fused query call (tests/test_indexer_fused.py) would stand for native_select: off here
-    monkeypatch.setattr(attn_proj, "enabled", lambda: False)
+    monkeypatch.setattr(IndexSelect, "native_scores", both)
+    # the fused query call (tests/test_indexer_fused.py) would stand for native_scores: off here
     eng = LLMEngine(model, batch_invariant=True, quantize=False, dtype=str(dtype).split(".")[1], block_size=128,
-                    num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17)
+                    num_blocks=10, max_num_seqs=3, max_num_batched_tokens=17,
+                    kernel_overrides={"fused_attn_proj": False})
     greedy_random_run(eng, model.cfg.vocab_size, (40, 9, 27), seed=6)
     assert len(calls) >= 2 * 10 and all(calls)

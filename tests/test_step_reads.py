@@ -60,3 +60,24 @@ def test_reads_are_reused_only_when_layers_share_a_region(share: bool) -> None:
     reads = eng.backend._reads
     assert reads.misses > 0
     assert (reads.hits > 0) == share
+
+
+def test_every_backend_declares_the_in_place_reads() -> None:
+    """The `CacheBackend` protocol's in-place reads (`window_keys`, `pool_keys`) are methods of every
+    backend, so a reader asks the backend it is handed instead of probing it; the dense cache offers
+    none (None), the paged backend the plain rows of a bf16 / fp32 pool. Mutation caught: DenseCache
+    without `pool_keys` (the attribute check fails)."""
+    from kvshare.cache.paged_backend import PagedBackend
+    from kvshare.model.dense_cache import DenseCache
+    from kvshare.runtime import CacheBackend, StepBatch
+
+    methods = [n for n, v in vars(CacheBackend).items() if callable(v) and not n.startswith("_")]
+    assert {"window_keys", "pool_keys", "history", "gather_prefix"} <= set(methods)
+    for backend in (DenseCache, PagedBackend):
+        missing = [n for n in methods if not callable(getattr(backend, n, None))]
+        assert not missing, (backend.__name__, missing)
+    model = make_model("tiny-v41")
+    dense = DenseCache(model.cfg, model.topo, 1, 64)
+    batch = StepBatch.build([0], [4])
+    assert dense.window_keys("window", 0, torch.zeros(4, model.cfg.head_dim), 8, batch) is None
+    assert dense.pool_keys("kv", 1, torch.float32, batch) is None

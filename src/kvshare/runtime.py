@@ -23,6 +23,7 @@ import torch
 from kvshare.step_addresses import StepAddresses
 
 if TYPE_CHECKING:
+    from kvshare.cache.in_place import PoolKeys, WindowKeys
     from kvshare.cache.rings import Ring
 
 
@@ -191,6 +192,13 @@ class CacheBackend(Protocol):
 
     ``draft_window(layer, width, dtype)`` is the `Ring` of a DSpark draft stage's context window
     (`model/dspark_window.py` reads and writes it; nothing else reaches into the storage).
+
+    In-place reads (a declared capability, part of the protocol: every backend implements both
+    methods): ``window_keys`` and ``pool_keys`` hand a native kernel the stored window ring / pool
+    rows themselves (`cache.in_place`) instead of gathered copies. A backend that offers no such
+    reads (the dense cache), or whose rows are not plain values of the reader's dtype (FP8 / FP4
+    formats), returns None, and the reader gathers (``history`` / ``gather_*``). Where
+    ``window_keys`` returns rows it defers the ring update exactly as ``history`` would.
     """
 
     capture: object | None  # the step's BoundaryCapture (paged backend; None: no checkpoint taken)
@@ -237,4 +245,14 @@ class CacheBackend(Protocol):
         self, kind: str, layer: int, n_rows: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [0, n_rows[i]) of each sequence i as [N, max(n_rows), w] plus a [N, max] validity mask."""
+        ...
+
+    def window_keys(
+        self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch
+    ) -> WindowKeys | None:
+        """`history` of every token row, in place (see the class doc), or None where not offered."""
+        ...
+
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> PoolKeys | None:
+        """The compressed rows layer `layer` reads, in place, where they are plain `dtype` values; else None."""
         ...

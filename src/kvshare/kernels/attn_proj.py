@@ -3,55 +3,30 @@
 `attn_in(x, ...)` computes what `Attention.forward` computes before the attention, bitwise:
 ``qr = q_norm(wq_a(x))``, ``q = RoPE((V4: per-head RMSNorm of) wq_b(qr))`` and
 ``kv = RoPE(kv_norm(wkv(x)))``, with the FP8 rounding of the GEMM inputs where the model has it;
-`attn_out(o, ...)` what `Attention.project_out` computes: the inverse RoPE of o (in place), each
+`attn_out(o, ...)` what `layers.attn_proj.AttnOut` computes: the inverse RoPE of o (in place), each
 group's ``wo_a`` product, then ``wo_b``. The GEMMs are the C++ functions `kernels.linear` calls,
 with its ISA (`best_isa`), padding and thread split; RMSNorm, RoPE and the FP8 rounding are
 `kernels.decode`'s. So the bits are the torch path's in the batch-invariant mode, by construction.
 
-**The pack set** (`ProjPacks`, `pack_set`; `model/attention_native.py` keeps it on the module): the
+**The pack set** (`ProjPacks`, `pack_set`; `layers/attn_proj.py` keeps it on the module): the
 packs of wq_a, wq_b, wkv, each wo_a group and wo_b, taken from where the torch path takes them
 (an FP8 / FP4 checkpoint weight's own `Packed`, else `ops.invariant.native_pack` of the dense
 weight or group view), so nothing is packed twice. It is stale when a watched tensor changed its
 address, dtype or in-place version (checked in C++ on every call: the call returns None); the
 caller also rebuilds it after any parameter or submodule registration (`kernels.moe.generation`).
 
-``KVSHARE_NATIVE_ATTN_PROJ=off`` (or `set_enabled(False)`) keeps the torch composition.
+Which implementation a model runs is bound once (`kvshare.layers.attn_proj`, `KernelChoice.fused_attn_proj`;
+``KVSHARE_NATIVE_ATTN_PROJ=off`` reaches it through `kvshare.layers.switches`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from kvshare.kernels import decode as native
 from kvshare.kernels.build import best_isa, library
 from kvshare.kernels.packed import FORMAT_ID, Packed
-
-_SWITCH: dict[str, bool | None] = {"on": None}
-
-
-def set_enabled(on: bool | None) -> None:
-    """Force the fused projections on / off for this process (None: back to the environment)."""
-    _SWITCH["on"] = on
-
-
-def enabled() -> bool:
-    """Whether the fused projections may serve (the caller checks the rest: mode, dtype, packs);
-    inside a forward, the `decode.forward_scope`'s answer."""
-    held = native.held("attn_proj")
-    return _decide() if held is None else held
-
-
-def _decide() -> bool:
-    forced = _SWITCH["on"]
-    if forced is not None:
-        return forced
-    return os.environ.get("KVSHARE_NATIVE_ATTN_PROJ", "").lower() not in ("off", "0", "torch")
-
-
-native.scoped_switch("attn_proj", _decide)
 
 
 @dataclass(eq=False)

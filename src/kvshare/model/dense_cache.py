@@ -11,6 +11,8 @@ Storage, allocated lazily on first use:
   or the Topology says otherwise): ``write_rows(kind, L)`` stores into every region L writes,
   ``gather_*(kind, L)`` reads the region L reads, exactly as the paged backend resolves them.
 
+No in-place reads: ``window_keys`` / ``pool_keys`` return None (readers gather).
+
 Invariant: a sequence's history must be fed in position order, chunk after chunk, in the same
 slot (a new sequence starting at position 0 may reuse a slot without clearing it: rows of
 positions < 0 are never read, and compressed rows are rewritten before they become visible).
@@ -82,6 +84,14 @@ class DenseCache:
         ring = self._ring(name, layer, depth, values.shape[-1], values.dtype)
         ring.write(batch.addresses().ring_write(ring.rows), values.detach())
 
+    def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch) -> None:
+        """No in-place reads here (the protocol's capability): readers gather with `history`."""
+        return None
+
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> None:
+        """No in-place reads here (the protocol's capability): readers gather with ``gather_*``."""
+        return None
+
     # ---- compressed rows -----------------------------------------------------------------
     def _table(self, kind: str, owner: int, width: int) -> torch.Tensor:
         key = (kind, owner)
@@ -104,8 +114,9 @@ class DenseCache:
             last = groups.last if index is groups.j else (int(index.max()) if index.numel() else -1)
             if last >= table.shape[1]:
                 raise IndexError(f"compressed row {last} of layer {layer} exceeds max_len {self.max_len}")
-            if values.requires_grad and torch.is_grad_enabled():
-                # Training: rebuild the table out of place so later reads in this forward carry gradients.
+            if values.requires_grad:
+                # Training (values autograd tracks): rebuild the table out of place so later reads in
+                # this forward carry gradients (the same values as the in-place write).
                 self.rows[(kind, owner)] = table.index_put((batch.slots[seq], index), values.to(table.dtype))
             else:
                 table[batch.slots[seq], index] = values.detach().to(table.dtype)

@@ -65,7 +65,8 @@ class DSparkAttention(Attention):
         valid = torch.cat([win_valid, torch.ones(n, b, dtype=torch.bool, device=x.device)], dim=1)
         row_block = torch.arange(n, device=x.device).repeat_interleave(b)
         o = sparse_attention(q, keys[row_block], valid[row_block], self.attn_sink, self.head_dim**-0.5)
-        return self.project_out(o, pos, rope)
+        # the drafter runs outside the batch-invariant forward: always the batched torch composition
+        return self.project_out.forward_torch(o, pos, rope)
 
     def block_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Window rows ``round(rope(kv_norm(wkv(x))))`` at `pos` (context writes use the same)."""

@@ -25,17 +25,12 @@ from torch import nn
 
 from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
-from kvshare.kernels import decode as native
-from kvshare.kernels.attn import index_topk
+from kvshare.layers.index_select import IndexSelect
 from kvshare.model.compressor import Compressor, Emitted
-from kvshare.model import indexer_native
 from kvshare.model.context import StepContext
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
-from kvshare.ops import block_scores, boundary_ties, candidate_block_mask, index_scores, invariant, select_topk
-from kvshare.ops.index_scores import candidate_scores, row_index_scores
-from kvshare.precision import wide
 from kvshare.topology import LayerPlan, Topology
 
 
@@ -58,6 +53,7 @@ class Indexer(nn.Module):
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, plan.ratio, cfg.rms_norm_eps,
                                          overlap=overlap_factor(cfg.arch, plan.ratio) == 2, ape=True,
                                          name="indexer_compressor")
+        self.index_select = IndexSelect(self)  # queries, scores, top-k (bound: torch / native)
 
     # ---- index keys (owners) ---------------------------------------------------------------
     def write_keys(self, ctx: StepContext, x: torch.Tensor, latent: Emitted | None) -> None:
@@ -81,79 +77,13 @@ class Indexer(nn.Module):
         When no sequence of the step has more than index_topk compressed rows (host ints), the
         top-k of every row is all of its causal entries whatever their scores (finite: relu'd
         dot products times finite weights), so nothing is scored; a layer that publishes or uses
-        candidate blocks still scores (its candidates need the scores)."""
-        pre = ctx.addr.prefix(self.ratio)
-        if self.every_entry_fits(pre.width):
+        candidate blocks still scores (its candidates need the scores). Otherwise the bound
+        `IndexSelect` projects the queries, scores and picks."""
+        if self.every_entry_fits(ctx.addr.prefix(self.ratio).width):
             return ctx.addr.causal_picks(self.ratio, self.cfg.index_topk)
-        if self.native_serves(ctx, qr):  # the projections and the top-k in one call, the same picks
-            picks = indexer_native.select(self, ctx, x, qr)
-            if picks is not None:
-                return picks
-        t = x.shape[0]
-        pos = ctx.positions
-        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        q = self.quantizer.index(ctx.rope_compress.rotate(q, pos))
-        w = wide(self.weights_proj(x)) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        if self.native_serves(ctx, q):
-            return self.native_select(ctx, q, w)
-        return self.scored_select(ctx, q, w)
-
-    def scored_select(self, ctx: StepContext, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`select` from the index queries q [T, H, d] and head weights w [T, H] with torch ops."""
-        pre = ctx.addr.prefix(self.ratio)
-        keys, _ = ctx.cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
-        compress_len = pre.compress_len
-        cand_mask = (ctx.state.candidates_of(self.plan.candidate_source, self.layer)
-                     if self.plan.uses_candidates else None)
-        cap = self.cfg.candidate_topk_blocks * self.cfg.candidate_block_size
-        if cand_mask is not None and (cap < keys.shape[1] or invariant.is_on()):
-            # only the rows inside the published candidate blocks: cost independent of the context
-            # (and one fixed product shape per row, so a batch-invariant forward always takes it)
-            scores = candidate_scores(q, w, keys, ctx.seq_index, cand_mask, cap)
-        elif invariant.is_on():
-            scores = row_index_scores(q, w, keys, ctx.seq_index, ctx.addr.length_buckets(self.ratio, invariant.BUCKET))
-        else:
-            scores = index_scores(q, w, keys, ctx.seq_index, rows=ctx.addr.rows_layout())
-        scores = scores.masked_fill(~pre.causal, float("-inf"))
-        if self.plan.publishes_candidates:
-            cand = self.cfg.candidate_topk_blocks
-            mask = candidate_block_mask(scores, compress_len, self.cfg.candidate_block_size, cand)
-            ctx.state.publish_candidates(self.layer, mask)
-            if ctx.ties is not None:
-                blocks = block_scores(scores, self.cfg.candidate_block_size)
-                self._log_ties(ctx, "candidates", boundary_ties(blocks, cand))
-        if cand_mask is not None:
-            scores = scores.masked_fill(~cand_mask, float("-inf"))
-        if ctx.ties is not None:
-            self._log_ties(ctx, "index", boundary_ties(scores, self.cfg.index_topk))
-        return select_topk(scores, compress_len, self.cfg.index_topk)
-
-    def native_serves(self, ctx: StepContext, q: torch.Tensor) -> bool:
-        """Whether `native_select` takes this call: a batch-invariant forward with the native
-        attention kernels on (the switch of the kernels whose sums are their own), bf16 / fp32
-        queries `q` (or their latents), no candidate blocks and no tie log (both need the scores)."""
-        return (invariant.is_on() and self.head_dim % 8 == 0 and ctx.ties is None and native.attention_enabled()
-                and native.serves(q) and not (self.plan.publishes_candidates or self.plan.uses_candidates))
-
-    def native_select(self, ctx: StepContext, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`scored_select` in one native call (`kernels.attn.index_topk`): the keys read in place
-        from the pool where they are plain rows of q's dtype, else the gathered (decoded) rows; the
-        scores summed in the kernel's own order (csrc/index.h), so a pick may differ from the torch
-        path's only where two scores are within that rounding of each other."""
-        pre, cache, k = ctx.addr.prefix(self.ratio), ctx.cache, self.cfg.index_topk
-        rows = cache.pool_keys("index_k", self.layer, q.dtype, ctx.batch) if hasattr(cache, "pool_keys") else None
-        if rows is not None:
-            return index_topk(q, w, rows.view, q.dtype, ctx.seq_index, pre.compress_len, k, rows.tables, rows.ratio,
-                              rows.block_size)
-        keys, _ = cache.gather_prefix("index_k", self.layer, pre.n_rows, ctx.batch)
-        return index_topk(q, w, keys, keys.dtype, ctx.seq_index, pre.compress_len, k)
+        return self.index_select(ctx, x, qr)
 
     def every_entry_fits(self, width: int) -> bool:
         """Whether a step whose widest sequence has `width` compressed rows selects every causal
         entry without scoring (see `select`)."""
         return width <= self.cfg.index_topk and not (self.plan.publishes_candidates or self.plan.uses_candidates)
-
-    def _log_ties(self, ctx: StepContext, kind: str, rows: torch.Tensor) -> None:
-        n = int(rows.sum())
-        if n and ctx.ties is not None:
-            ctx.ties.append((self.layer, kind, n))

@@ -12,9 +12,9 @@ and the owner's compressed-KV table in the `DenseCache`, detached. The indexer's
 ``softmax_j(I[t, j])`` of the raw index scores the model computed (captured, differentiable), and
 the loss is ``KL(target || indexer)`` averaged over token rows with at least one causal entry.
 
-Capture works by wrapping, for the duration of one forward, the functions the model modules
-call (``index_scores`` / ``candidate_scores`` in `model/indexer.py`, ``sparse_attention`` /
-``prefix_attention`` in `model/attention.py`) and by forward pre-hooks naming the layer that runs;
+Capture works by wrapping, for the duration of one forward, the functions the model's layers
+call (``index_scores`` / ``candidate_scores`` in `layers/index_select.py`, ``sparse_attention`` /
+``prefix_attention`` in `layers/attention.py`) and by forward pre-hooks naming the layer that runs;
 the model code is unchanged. While capturing, candidate-restricted scoring is replaced by full
 scoring (the model masks with the candidates afterwards, so it selects the same rows), because the
 KL needs every causal entry's score.
@@ -28,8 +28,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-import kvshare.model.attention as attention_mod
-import kvshare.model.indexer as indexer_mod
+import kvshare.layers.attention as attention_mod
+import kvshare.layers.index_select as indexer_mod
 from kvshare.runtime import StepBatch
 
 
