@@ -40,7 +40,6 @@ from kvshare.model import Transformer
 from kvshare.model.attention import Attention
 from kvshare.model.dtypes import cast_model
 from kvshare.model.loader import load_model
-from kvshare.ops.invariant import active
 from test_engine_exact import greedy_random_run, spy_logits
 from test_kernels_model import _quantised_checkpoint
 
@@ -78,7 +77,7 @@ def _check_layers(model: Transformer, rows=ROWS, seed: int = 0) -> None:
     model.batch_invariant = True  # the linears bound row-invariant, as the fused projections are
     g = torch.Generator().manual_seed(seed)
     dtype = model.embed.weight.dtype
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         for i, block in enumerate(model.layers):
             attn, rope = block.attn, _rope(model, block.attn)
             for t in rows:
@@ -151,7 +150,7 @@ def test_rows_do_not_depend_on_the_other_rows() -> None:
     x = torch.randn(33, model.cfg.hidden_size, generator=g).bfloat16()
     o = torch.randn(33, attn.n_heads, attn.head_dim, generator=g).bfloat16()
     pos = torch.arange(100, 133)
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         whole = attn.project_in.fused(x, pos, rope)
         whole_y = attn.project_out.fused(o.clone(), pos, rope)
         for r in (0, 5, 32):
@@ -187,7 +186,7 @@ def test_fp32_matches_the_spec_formulas(name: str) -> None:
     g = torch.Generator().manual_seed(9)
     eps = model.cfg.rms_norm_eps
     worst = {"qr": 0.0, "q": 0.0, "kv": 0.0, "y": 0.0}
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         for block in model.layers:
             a, rope = block.attn, _rope(model, block.attn)
             x = torch.randn(8, model.cfg.hidden_size, generator=g)
@@ -223,7 +222,7 @@ def test_edited_and_replaced_weights_are_noticed() -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, _torch_in(attn, x, pos, rope)))
         assert torch.equal(attn.project_out.fused(o.clone(), pos, rope), _torch_out(attn, o, pos, rope))
 
-    with active(True), torch.no_grad():
+    with torch.no_grad():
         same()
         attn.wq_b.weight.mul_(2)  # in place: a new version of a watched weight
         attn.wo_a.weight.neg_()
@@ -242,7 +241,7 @@ def test_a_forward_hook_keeps_the_torch_path() -> None:
     attn, rope = model.layers[0].attn, model.rope_main
     o = torch.randn(1, attn.n_heads, attn.head_dim)
     pos = torch.tensor([3])
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         before = attn.project_out.fused(o.clone(), pos, rope)
         assert before is not None
         handle = attn.wo_b.register_forward_hook(lambda _m, _i, out: out * 2)
@@ -260,6 +259,7 @@ def test_the_choice_binds_the_implementation() -> None:
     model the fused calls, or with ``fused_attn_proj`` off the row-invariant torch composition.
     Mutation caught: `AttnIn.select` binding the fused call in the batched mode."""
     model = _model("tiny-v41", torch.float32)
+    model.batch_invariant = False
     attn = model.layers[0].attn
     assert model.kernels.fused_attn_proj and not model.batch_invariant
     assert attn.project_in.impl == attn.project_in.forward_torch
@@ -279,12 +279,12 @@ def test_the_calls_that_keep_the_torch_path() -> None:
     attn, rope = model.layers[0].attn, model.rope_main
     x, pos = torch.randn(1, model.cfg.hidden_size), torch.tensor([3])
     model.batch_invariant = True
-    with active(True):  # autograd recording: the torch path
+    with torch.enable_grad():  # autograd recording: the torch path
         assert attn.project_in.fused(x, pos, rope) is None
         got = attn.project_in(x, pos, rope)
         assert got[0].requires_grad
         assert all(torch.equal(a, b) for a, b in zip(got, attn.project_in.forward_torch(x, pos, rope)))
-    with torch.no_grad(), active(True):
+    with torch.no_grad():
         assert attn.project_in.fused(x, pos, rope) is not None
         assert attn.project_in.fused(x.double(), pos, rope) is None
 
@@ -292,7 +292,7 @@ def test_the_calls_that_keep_the_torch_path() -> None:
 def test_bad_arguments_are_refused_naming_the_field() -> None:
     model = _model("tiny-v41", torch.float32)
     attn, rope = model.layers[0].attn, model.rope_main
-    with torch.inference_mode(), active(True):
+    with torch.inference_mode():
         f = layer.fused_of(attn)
         x, pos = torch.randn(2, model.cfg.hidden_size), torch.tensor([3, 4])
         c, s, s_neg = rope.native_tables(pos)

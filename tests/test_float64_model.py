@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.config import load_config

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import torch
 
 from kvshare import LLM, SamplingParams
 from kvshare.config import load_config

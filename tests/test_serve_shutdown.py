@@ -5,17 +5,14 @@ little), and a second signal exits at once."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 import httpx
-import pytest
 
 DRAIN_S = 2.0
 

@@ -45,18 +45,14 @@ replace stays the reference and the fallback:
   (a V4 compressor's APE; one rounded fp32 add per element, the bits of the torch add): one call
   where the torch code takes the widening, the product and four indexing / add ops.
 
-Which of these a model runs is bound once per model build (`kvshare.layers`: the model's layers
-hold the choice). Transitional (issue 34): the model files not yet bound (attention, indexer,
-compressor) and the cache codecs still ask `serves` / `attention_enabled` / `held` per call; inside a
-forward `forward_scope` answers them from the model's bound choice, outside from `enabled()` (False
-without the native library, or with ``KVSHARE_NATIVE_DECODE=off``).
+Which of these a model runs is bound once per model build (`kvshare.layers`: each layer holds its
+choice). `enabled()` says whether this machine runs them at all (the native library serves its CPU
+and ``KVSHARE_NATIVE_DECODE`` is not off): the cache-row codecs (`kernels.rows`) and tests ask it.
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,84 +62,16 @@ from kvshare.layers import switches as env_switches
 if TYPE_CHECKING:
     from kvshare.kernels.packed import Packed
 
-_FLOATS = (torch.float32, torch.bfloat16)
-_scope = threading.local()  # per thread: tensor-parallel tests run ranks as threads
-
-
-def attention_enabled() -> bool:
-    """Transitional: whether `sparse_attention` serves the attention files not yet bound: inside a
-    forward the `forward_scope`'s answer (the model's bound choice), outside `enabled()` unless
-    ``KVSHARE_NATIVE_ATTENTION`` is off."""
-    held = getattr(_scope, "attention", None)
-    if held is not None:
-        return held
-    return not env_switches.switched_off("attention") and enabled()
-
 
 def enabled() -> bool:
-    """Transitional: whether the callers not yet bound (attention files, cache codecs) may run the
-    native decode kernels outside a forward: the library serves this machine and ``KVSHARE_NATIVE_DECODE``
-    is not off (read through `layers.switches`, the one reader of the environment)."""
+    """Whether this machine runs the native decode kernels: the library serves its CPU and
+    ``KVSHARE_NATIVE_DECODE`` is not off (read through `layers.switches`, the one reader of the
+    environment)."""
     return not env_switches.switched_off("native") and best_isa() != "torch"
 
 
-_SCOPED: dict[str, Callable[[], bool]] = {}
-
-
-def scoped_switch(name: str, decide: Callable[[], bool]) -> None:
-    """Register another module's switch (`kernels.attn_proj`): `forward_scope` asks
-    `decide` once per forward (where the kernels serve the forward at all) and `held(name)` answers it."""
-    _SCOPED[name] = decide
-
-
-def held(name: str) -> bool | None:
-    """The current `forward_scope`'s answer for the registered switch `name` (None outside a scope
-    or where the scope decided nothing)."""
-    switches = getattr(_scope, "switches", None)
-    return None if switches is None else switches.get(name)
-
-
-@contextmanager
-def forward_scope(native: bool, attention: bool, switches: dict[str, bool]) -> Iterator[None]:
-    """Transitional (issue 34): what `serves`, `attention_enabled` and `held` answer inside a model
-    forward, for the model files that still ask per call (attention, indexer, compressor).
-
-    `Transformer.forward` passes its bound choice (`KernelChoice.native`, ``attention``, and per
-    registered switch, e.g. ``{"attn_proj": fused_attn_proj}``); a registered module's own switch
-    (`kernels.attn_proj.set_enabled`) can still turn it off. The bound layers do not ask. With
-    autograd recording the scope decides nothing (tensors are then checked one by one). Nested
-    scopes restore the outer answer on exit.
-    """
-    prev = (getattr(_scope, "serves", None), getattr(_scope, "attention", None), getattr(_scope, "switches", None))
-    _scope.serves = _scope.attention = _scope.switches = None  # (so the answers below ask the switches)
-    if not torch.is_grad_enabled():
-        on = native and best_isa() != "torch"
-        _scope.serves, _scope.attention = on, on and attention
-        _scope.switches = {name: on and switches.get(name, False) and decide() for name, decide in _SCOPED.items()}
-    try:
-        yield
-    finally:
-        _scope.serves, _scope.attention, _scope.switches = prev
-
-
-def serves(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels are on and take these tensors (CPU, bf16 / fp32, no autograd); inside a
-    `forward_scope`, the scope's answer."""
-    held = getattr(_scope, "serves", None)
-    if held is not None:
-        return held
-    if not enabled():
-        return False
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in _FLOATS:
-            return False
-        if t.requires_grad and torch.is_grad_enabled():
-            return False
-    return True
-
-
 def native_library():  # noqa: ANN201
-    """The native library, for a caller that checked `enabled()` / `serves` (a clear error otherwise)."""
+    """The native library, for a caller that checked `enabled()` (a clear error otherwise)."""
     lib = library()
     if lib is None:
         raise RuntimeError("kvshare kernels: the native library is unavailable (check kernels.decode.enabled())")
@@ -222,8 +150,9 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
 
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor | None:
     """`kvshare.quant.fake_quant_fp8(x, block, ue8m0=True)`'s bits in one call, or None where the
-    kernels do not take x (off, not CPU, not bf16 / fp32, autograd, last dim not a multiple of block)."""
-    if not serves(x) or x.shape[-1] % block:
+    kernel does not take x (not CPU, not bf16 / fp32, autograd, last dim not a multiple of block).
+    The caller is bound to the native kernels (`KernelChoice.native`)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.requires_grad or x.shape[-1] % block:
         return None
     return native_library().fake_quant_fp8(x, block)
 

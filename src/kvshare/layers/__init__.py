@@ -17,9 +17,6 @@ The layers (each with its torch reference and its native implementation(s)):
 | mhc.py | `Mhc` (enter / boundary / leave / head) | `TorchMhc`, `NativeMhc`, `FusedMhc`, `ChunkedMhc` |
 | moe_gate.py | `Gate` | `forward_torch`, `forward_native` |
 | moe_experts.py | `MoeExperts` (base of `model.moe.MoE`) | `forward_torch`, `forward_native` |
-
-`transitional.py` holds what the model files not yet bound (attention, indexer, compressor) still
-call with a per-call decision; it goes when they bind.
 """
 
 from kvshare.layers.bound import BoundOp, bind_model

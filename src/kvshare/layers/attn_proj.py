@@ -74,14 +74,16 @@ class AttnIn(Owned):
 
     def forward_torch(self, x: torch.Tensor, pos: torch.Tensor, rope: "RotaryEmbedding"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from kvshare.model.norm import rms_normalize_as
+        from kvshare.layers.attention import servable
+        from kvshare.layers.norm import rms_normalize_as
 
         a = self.owner
         qr = a.q_norm(a.wq_a(x))
         q = a.wq_b(qr).view(x.shape[0], a.n_heads, a.head_dim)
         owned = a.cfg.arch == "v4"  # q is then a fresh tensor this layer may rotate in place
         if owned:
-            q = rms_normalize_as(q, a.cfg.rms_norm_eps)
+            c = self.choice  # the per-head norm's native kernel: the same bits (layers/norm.py)
+            q = rms_normalize_as(q, a.cfg.rms_norm_eps, native=c.native and c.batch_invariant and servable(q))
         q = rope.rotate(q, pos, inplace=owned)
         kv = rope.rotate(a.kv_norm(a.wkv(x)), pos, inplace=True)
         return qr, q, kv

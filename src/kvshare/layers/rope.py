@@ -32,7 +32,6 @@ import math
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from kvshare.config import YarnConfig
 from kvshare.kernels import decode as native_kernels

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from kvshare.config import ModelConfig
-from kvshare.kernels import decode as native
 from kvshare.layers import KernelChoice, bind_model
 from kvshare.layers import switches
 from kvshare.layers.mhc import HcWeights, Mhc
@@ -41,7 +40,6 @@ from kvshare.model.moe import MoE
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
-from kvshare.ops import invariant
 from kvshare.precision import wide
 from kvshare.runtime import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
@@ -158,10 +156,7 @@ class Transformer(nn.Module):
         `state` (optional, must be fresh) receives this step's hand-offs so a caller can inspect
         them afterwards (top-k per index source, the candidate mask); by default a new one is used.
         """
-        c = self.bound  # transitional (issue 34): the attention files not yet bound ask per call
-        with invariant.active(c.batch_invariant), native.forward_scope(c.native, c.attention,
-                                                                       {"attn_proj": c.fused_attn_proj}):
-            return self._forward(input_ids, batch, cache, state)
+        return self._forward(input_ids, batch, cache, state)
 
     def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: CacheBackend,
                  state: StepState | None) -> torch.Tensor:

@@ -20,12 +20,17 @@ latent uses FP8 blocks of 16 instead of 32. Real V4 / V4.1 widths always divide.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvshare.layers.choice import KernelChoice
 from kvshare.layers.quant import QuantMode, act_quant, fit_block, fp4_round, fp8_round
 from kvshare.ops.invariant import matmul_t
 from kvshare.quant import straight_through
+
+if TYPE_CHECKING:
+    from kvshare.config import ModelConfig
 
 __all__ = ["KVQuantizer", "QuantMode", "act_quant", "fit_block", "hadamard_matrix"]
 

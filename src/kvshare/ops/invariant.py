@@ -33,12 +33,8 @@ models; torch splits element-wise work across threads only above 32,768 elements
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
 from kvshare import kernels
 from kvshare.kernels import fallback
@@ -50,26 +46,6 @@ BUCKET = 64
 VECTOR_PAD = 64
 
 _MAX_PACKS_PER_WEIGHT = 16  # a weight's packed views (wo_a's groups) and versions kept at once
-_state = threading.local()  # per thread: tensor-parallel tests run ranks as threads
-
-
-def is_on() -> bool:
-    """Transitional (issue 34): whether the forward running on this thread is batch-invariant (see
-    `active`). Only the model files not yet bound read it (attention, indexer, compressor); every
-    function below takes the choice as an argument instead."""
-    return getattr(_state, "on", False)
-
-
-@contextmanager
-def active(on: bool) -> Iterator[None]:
-    """Transitional: run the enclosed forward batch-invariant (`on`) or not for `is_on`'s readers;
-    restores the previous setting."""
-    prev = is_on()
-    _state.on = on
-    try:
-        yield
-    finally:
-        _state.on = prev
 
 
 def matmul_t(x: torch.Tensor, w: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -123,13 +99,6 @@ def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     out = fallback.rows(x2, w)
     return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
-    """``F.linear(x, w)``, through `row_linear` for a batch-invariant caller (`invariant`; None:
-    transitional, the thread's `is_on`, for model/compressor.py until it passes its choice)."""
-    on = is_on() if invariant is None else invariant
-    return row_linear(x, w) if on else F.linear(x, w)
 
 
 def pointwise(fn, x: torch.Tensor, invariant: bool) -> torch.Tensor:
