@@ -38,6 +38,10 @@ class PoisonedModel(torch.nn.Module):
         self.topo = getattr(inner, "topo", None)
         self.calls = 0
 
+    def bind(self, choice: Any) -> None:
+        """The engine binds its model's kernels once (`Transformer.bind`): the wrapped model's."""
+        self.inner.bind(choice)
+
     def forward(self, input_ids: torch.Tensor, batch: Any, backend: Any) -> torch.Tensor:
         self.calls += 1
         if bool((input_ids == POISON).any()):
