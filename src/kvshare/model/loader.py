@@ -24,10 +24,11 @@ Writing checkpoints (`save_checkpoint`, `export_transformers`) lives in `checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import safe_open
@@ -38,7 +39,8 @@ from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import (INDEX_FILE, check_header_shapes, describe,
                                            refuse_pickle_only, weight_files)
 from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
-from kvshare.model.hf_naming import released_shapes, to_released
+from kvshare.model.checkpoint_stream import Entry, index_files, stream_into
+from kvshare.model.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
 
 if TYPE_CHECKING:
     from kvshare.model.deepseek import Transformer
@@ -261,6 +263,74 @@ def _packable_names(model: torch.nn.Module, dtype: torch.dtype) -> frozenset[str
     return frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QLinear))
 
 
+def _streamable(weights_dir: Path, cfg: ModelConfig) -> "dict[str, Entry] | None":
+    """The checkpoint's backbone tensors with their byte ranges when it is in the released naming
+    (`checkpoint_stream`); None for other namings, which `load_checkpoint` maps whole. Draft, vision
+    and Engram-table tensors are left out (logged as `load_checkpoint` does)."""
+    files = checkpoint_files(weights_dir)
+    entries = index_files(files)
+    engram_tables(files, cfg, "mmap")  # names, dtypes and shapes of the Engram tables
+    skipped = {"draft": 0, "vision": 0}
+    kept: dict[str, Entry] = {}
+    for name, e in entries.items():
+        if is_table_name(name):
+            continue
+        kind = _skip_kind(name, cfg)
+        if kind is None:
+            kept[name] = e
+        else:
+            skipped[kind] += 1
+    scale_names = set(_scale_names(kept))
+    if detect_naming([n for n in kept if n not in scale_names]) != NAMINGS[0]:
+        return None
+    if any(skipped.values()):
+        routine = not skipped["vision"] and cfg.num_draft_layers > 0
+        (log.info if routine else log.warning)(
+            "checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
+            weights_dir, skipped["draft"], skipped["vision"])
+    if cfg.tie_word_embeddings and "head.weight" not in kept and "embed.weight" in kept:
+        kept["head.weight"] = kept["embed.weight"]
+    return kept
+
+
+def _scale_names(entries: dict) -> list[str]:
+    return [n for n in entries if (n.endswith(".scale") or n.endswith("_scale_inv"))
+            and _scale_owner(n, entries) is not None]
+
+
+def _meta_model(cfg: ModelConfig, quant: "bool | QuantMode", tokenizer: object | None) -> "Transformer":
+    """A `Transformer` whose parameters live on the meta device (no memory) and whose derived tensors
+    (rotary frequencies, the Engram hasher) are real: `stream_into` then gives each parameter its value."""
+    from kvshare.model.deepseek import Transformer
+    from kvshare.model.rope import RotaryEmbedding
+
+    with torch.device("meta"), _hasher_on_cpu():
+        model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
+    rd = cfg.qk_rope_head_dim  # computed on meta by the constructor: rebuilt on the CPU
+    model.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
+    model.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
+    return model
+
+
+@contextlib.contextmanager
+def _hasher_on_cpu() -> Iterator[None]:
+    """Inside a meta-device build, the Engram hasher (which reads its tables while it is built) is
+    still built on the CPU: the constructor's `engram_hasher` is wrapped for the duration."""
+    from kvshare.model import deepseek
+
+    real = deepseek.engram_hasher
+
+    def on_cpu(*args: object, **kwargs: object) -> object:
+        with torch.device("cpu"):
+            return real(*args, **kwargs)
+
+    deepseek.engram_hasher = on_cpu  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        deepseek.engram_hasher = real  # type: ignore[assignment]
+
+
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                quant: "bool | QuantMode" = True, engram_table: TableMode = DEFAULT_TABLE_MODE,
                draft: bool = False) -> "Transformer":
@@ -294,6 +364,15 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
         check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg),
                             _weight_block(cfg))
+    entries = _streamable(weights_dir, cfg) if with_weights and not draft else None
+    if entries is not None:  # released naming: built on meta, filled tensor by tensor (no full copies)
+        model = _meta_model(cfg, quant, tokenizer)
+        stream_into(model, entries, cfg, dtype, _packable_names(model, dtype), _weight_block(cfg))
+        if cfg.engram_layer_ids:
+            model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
+        from kvshare.model.dtypes import cast_model
+
+        return cast_model(model, dtype, device).eval()
     model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
     if draft:  # DSpark stages as model.mtp (speculative decoding)
         from kvshare.model.dspark import attach_dspark
