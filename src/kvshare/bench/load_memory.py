@@ -5,7 +5,7 @@ peak is this load's alone) and returns its JSON: the resident set before loading
 torch and kvshare and loading the native kernels), the peak resident set (``VmHWM``) and the
 resident set after, the checkpoint's bytes on disk, the load's wall time and MB/s, the bytes the model
 holds (`dtypes.weight_bytes`) and, with ``new_tokens``, the greedy tokens of a fixed prompt (one
-sequence, token ids 1..`prompt_len`, through `LLM` on the loaded model).
+sequence, token ids 1..`prompt_len`, through `LLM` on the loaded model) with the resident set after it.
 
 Peak growth = VmHWM - VmRSS before: what loading added at its worst (file pages mapped by the loader
 count, as they are resident in this process; the page cache of files read with ``read`` does not).
@@ -71,6 +71,8 @@ def run(path: str, dtype: str, prompt_len: int, new_tokens: int, threads: int) -
     out["peak_growth_over_file"] = out["peak_growth_bytes"] / size
     if new_tokens:
         out["tokens"] = _greedy(model, prompt_len, new_tokens)
+        out["rss_after_generate_bytes"] = _status_kb("VmRSS") * 1024
+        out["peak_after_generate_bytes"] = _status_kb("VmHWM") * 1024
     return out
 
 

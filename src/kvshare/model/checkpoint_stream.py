@@ -19,6 +19,7 @@ copy of a packed weight). Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
@@ -219,6 +220,15 @@ def _final(module: nn.Module, leaf: str, t: torch.Tensor, is_param: bool, dtype:
     if not is_param:
         return torch.float32 if dtype.itemsize < 4 else dtype
     return final_dtype(module, leaf, t.dtype, dtype)
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere): the
+    per-tensor transients of `stream_into` are freed, but glibc keeps freed heap memory resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -10,6 +10,8 @@ reorder the weight into its blocked layout on every call. `Linear.pack()` does t
 packed copy, which gives bitwise the same result as `F.linear` (tests/test_packed_linear.py) and
 is 1.3-6x faster at 1-8 rows on this machine. Packing is feature-checked (`packing_available`);
 without it, or for fp32 / float64 weights, or while autograd needs the weight, `F.linear` runs.
+`pack()` only asks for the copy: it is made by the first bf16 forward that uses it, so a model run
+only batch-invariantly or through the kernels (which never read it) holds no oneDNN copy.
 A packed copy is dropped as soon as the weight changes (its version counter or storage moved;
 an inference-mode weight has no version counter, so re-`pack()` after editing one in place).
 
@@ -79,6 +81,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self._packed: torch.Tensor | None = None
         self._packed_key: tuple[int, int] | None = None
+        self._pack_wanted = False  # `pack()` asked for a oneDNN copy, made on first use
         self.qweight: kernels.Packed | None = None  # an FP8 / FP4 checkpoint weight kept packed
         self._kpacked: kernels.Packed | None = None  # the kernels' copy of `weight` (use_kernels)
         self._kpacked_key: tuple[int, int] | None = None
@@ -91,6 +94,7 @@ class Linear(nn.Linear):
         self.qweight = packed
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         self._packed = self._kpacked = None
+        self._pack_wanted = False
 
     def _kernel_weight(self, x: torch.Tensor) -> kernels.Packed | None:
         """The kernels' packed copy of `weight` for input `x` (made on first use), or None where
@@ -108,17 +112,24 @@ class Linear(nn.Linear):
         return (self.weight.data_ptr(), version_of(self.weight))
 
     def pack(self) -> bool:
-        """Pack the weight for oneDNN when it is a bf16 CPU tensor and packing exists; True if packed."""
+        """Ask for a oneDNN copy of the weight when it is a bf16 CPU tensor and packing exists (made
+        by the first forward that uses it, see module doc); True if it will be used."""
         w = self.weight
         if self.qweight is not None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not packing_available():
-            self._packed = None
+            self._packed, self._pack_wanted = None, False
             return False
-        if self._packed is not None and self._packed_key == self._key():
-            return True
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        self._packed_key = self._key()
+        if self._packed is not None and self._packed_key != self._key():
+            self._packed = None
+        self._pack_wanted = True
         return True
+
+    def _onednn_weight(self) -> torch.Tensor:
+        """The oneDNN copy of `weight`, made now if it is not there yet."""
+        if self._packed is None:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self._packed_key = self._key()
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:  # fixed-order kernel: row-invariant in any mode
@@ -129,11 +140,11 @@ class Linear(nn.Linear):
             kp = self._kernel_weight(x)
             if kp is not None:
                 return kernels.linear(x, kp)
-        packed = self._packed
-        if packed is not None and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
+        if self._pack_wanted and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            packed = self._onednn_weight()
             if self._packed_key == self._key():
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            self._packed = None
+            self._packed, self._pack_wanted = None, False
         return F.linear(x, self.weight)
 
 

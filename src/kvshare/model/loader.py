@@ -39,7 +39,7 @@ from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import (INDEX_FILE, check_header_shapes, describe,
                                            refuse_pickle_only, weight_files)
 from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
-from kvshare.model.checkpoint_stream import Entry, index_files, stream_into
+from kvshare.model.checkpoint_stream import Entry, index_files, release_free_heap, stream_into
 from kvshare.model.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
 
 if TYPE_CHECKING:
@@ -368,6 +368,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     if entries is not None:  # released naming: built on meta, filled tensor by tensor (no full copies)
         model = _meta_model(cfg, quant, tokenizer)
         stream_into(model, entries, cfg, dtype, _packable_names(model, dtype), _weight_block(cfg))
+        release_free_heap()
         if cfg.engram_layer_ids:
             model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
         from kvshare.model.dtypes import cast_model
