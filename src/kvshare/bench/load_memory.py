@@ -3,7 +3,7 @@
 `measure_load(path, ...)` runs ``python -m kvshare.bench.load_memory PATH`` in a subprocess (so the
 peak is this load's alone) and returns its JSON: the resident set before loading (after importing
 torch and kvshare and loading the native kernels), the peak resident set (``VmHWM``) and the
-resident set after, the checkpoint's bytes on disk, the load's wall time and MB/s, the bytes the model
+resident set after (the modules a load and a generation use are imported before the baseline), the checkpoint's bytes on disk, the load's wall time and MB/s, the bytes the model
 holds (`dtypes.weight_bytes`) and, with ``new_tokens``, the greedy tokens of a fixed prompt (one
 sequence, token ids 1..`prompt_len`, through `LLM` on the loaded model) with the resident set after it.
 
@@ -50,6 +50,8 @@ def run(path: str, dtype: str, prompt_len: int, new_tokens: int, threads: int) -
     """Load `path` in this process and report (module doc)."""
     import torch
 
+    import kvshare.llm  # noqa: F401  (module imports are not loading: done before the baseline)
+    import kvshare.model.deepseek  # noqa: F401
     from kvshare import kernels
     from kvshare.model.dtypes import weight_bytes
     from kvshare.model.loader import load_model

@@ -10,10 +10,10 @@ layer; V4.1 gets `bench.sizes.v41_layout`'s sharing pattern (>= 6 layers).
 release's formats: every `QLinear` weight as FP8 e4m3 with ue8m0 block scales (the config's
 ``weight_block_size``), routed experts as packed FP4 e2m1 with ue8m0 scales per 32 inputs; the
 model's fp32 set (norms, router, mHC, sinks; `dtypes`) as fp32, other floats as bf16, ``tid2eid`` as
-int64. Values follow `Transformer.init_weights`'s rules (seeded per tensor) and are then put on the
-grids, so every stored value is exactly representable. Memory stays at one tensor (the fp32 draft of
-the largest weight): the safetensors header is computed from the shapes first, then each tensor is
-generated, encoded and appended. Returns the bytes of tensor data written.
+int64. Quantised weights are drawn on their grids directly (uniform e2m1 codes; e4m3 codes of normal
+draws; ue8m0 scales around 1 / sqrt(in)), the rest by `Transformer.init_weights`'s rules; every tensor
+is seeded by its name. Memory stays at one tensor: the safetensors header is computed from the shapes
+first, then each tensor is generated and appended. Returns the bytes of tensor data written.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvshare.config import ModelConfig
 from kvshare.model.checkpoint_files import SINGLE_FILE
 from kvshare.model.checkpoint_write import hf_style_config
 from kvshare.model.loader import _weight_block
-from kvshare.model.weights_quant import FP4_WEIGHT_BLOCK, pack_fp4_weight, quantize_fp8_weight
+from kvshare.model.weights_quant import FP4_WEIGHT_BLOCK
 
 MODELS = {"v4-flash": "deepseek-v4-flash", "v4.1-flash": "deepseek-v4.1-flash"}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64", torch.int8: "I8",
@@ -116,6 +116,29 @@ def _init_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, g: torch.Ge
     raise ValueError(f"no initialisation rule for tensor {name}")
 
 
+def _scales(rows: int, cols: int, exp: float, g: torch.Generator) -> torch.Tensor:
+    """ue8m0 scales [rows, cols]: 2^round(exp), each block's exponent moved by -1, 0 or +1 at random."""
+    e = round(exp) + 127 + torch.randint(-1, 2, (rows, cols), generator=g, dtype=torch.int16)
+    return e.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _grid_fp4(shape: tuple[int, ...], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed FP4 weight [n, k / 2] of uniformly drawn e2m1 codes and its ue8m0 scales [n, k / 32],
+    scaled so the weight's RMS is about 1 / sqrt(k) (the codes' RMS is 2.93) as `init_weights` draws."""
+    n, k = shape[0], 2 * shape[1]
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(torch.int8)
+    return codes, _scales(n, k // FP4_WEIGHT_BLOCK, -math.log2(2.93 * math.sqrt(k)), g)
+
+
+def _grid_fp8(shape: tuple[int, ...], block: tuple[int, int], g: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight (normal draws of RMS 32, on the e4m3 grid) and its ue8m0 block scales, so the
+    weight's RMS is about 1 / sqrt(in)."""
+    n, k = shape
+    codes = (torch.randn(shape, generator=g) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes, _scales(math.ceil(n / block[0]), math.ceil(k / block[1]), -math.log2(32 * math.sqrt(k)), g)
+
+
 def _tensors(cfg: ModelConfig, plan: list, seed: int) -> Iterator[torch.Tensor]:
     """The stored tensors in `plan`'s order, generated one weight (plus its scale) at a time."""
     block = _weight_block(cfg)
@@ -128,10 +151,9 @@ def _tensors(cfg: ModelConfig, plan: list, seed: int) -> Iterator[torch.Tensor]:
             continue
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if kind == "fp4":
-            logical = (shape[0], shape[1] * 2)
-            w, pending = pack_fp4_weight(_init_value(name, logical, cfg, g))
+            w, pending = _grid_fp4(shape, g)
         elif kind == "fp8":
-            w, pending = quantize_fp8_weight(_init_value(name, shape, cfg, g), block)  # type: ignore[arg-type]
+            w, pending = _grid_fp8(shape, block, g)  # type: ignore[arg-type]
         else:
             w = _init_value(name, shape, cfg, g).to(dtype)
         yield w

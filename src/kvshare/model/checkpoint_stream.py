@@ -43,6 +43,9 @@ if hasattr(torch, "float4_e2m1fn_x2"):
     ST_DTYPES["F4"] = torch.float4_e2m1fn_x2
 
 
+TRIM_EVERY = 64 * 2**20  # bytes streamed between heap trims (`release_free_heap`)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One stored tensor: its file, dtype, shape and absolute byte range in the file."""
@@ -181,9 +184,14 @@ def stream_into(model: nn.Module, entries: dict[str, Entry], cfg: ModelConfig, d
         if name not in entries:
             raise CheckpointError(f"missing tensor `{name}` (expected shape {list(t.shape)})")
     reader = Reader()
+    since_trim = 0
     try:
         for name, (module, leaf, t, is_param) in slots.items():
             e = entries[name]
+            since_trim += e.end - e.start
+            if since_trim > TRIM_EVERY:  # freed read buffers would otherwise stay resident until the end
+                release_free_heap()
+                since_trim = 0
             final = _final(module, leaf, t, is_param, dtype)
             if name in scales:
                 logical = e.shape if e.dtype == torch.float8_e4m3fn else (*e.shape[:-1], 2 * e.shape[-1])
