@@ -4,7 +4,7 @@
 ``deepseek-v4.1-flash`` with fewer layers / routed experts / vocabulary (every per-layer size as
 released: hidden, heads, head_dim, LoRA ranks, expert width, index heads), no MTP stage. V4 keeps its
 ratio pattern (0 for the first two layers, then 4 / 128 alternating) and at most one hash-routed
-layer; V4.1 gets `bench.sizes.v41_layout`'s sharing pattern (>= 6 layers).
+layer; V4.1 gets `bench.sizes.v41_layout`'s sharing pattern (>= 6 layers), no Engram layers and no DSpark drafter.
 
 `write_released_checkpoint(cfg, out_dir, seed)`: ``config.json`` + one ``model.safetensors`` in the
 release's formats: every `QLinear` weight as FP8 e4m3 with ue8m0 block scales (the config's
@@ -52,8 +52,9 @@ def real_config(model: str, layers: int, experts: int, vocab: int = 8192) -> Mod
     if base.arch == "v4":
         d.update(compress_ratios=[0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)],
                  num_hash_layers=min(1, layers))
-    else:
-        d.update(v41_layout(layers))
+    else:  # Engram dropped: its hashed tables (384M rows per layer) are not per-layer weights to scale down
+        d.update(v41_layout(layers), engram_layer_ids=[], engram_num_embeddings=[], dspark_block_size=0,
+                 dspark_target_layer_ids=[], dspark_markov_rank=0)
     d["eos_token_ids"] = [i for i in d.get("eos_token_ids") or [] if i < vocab] or [1]
     return ModelConfig.from_dict(d)
 

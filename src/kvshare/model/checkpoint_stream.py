@@ -1,8 +1,9 @@
-"""Streaming a released-naming checkpoint into a model built on the meta device, one tensor at a time.
+"""Streaming a released-naming checkpoint into a model whose weights were never written, tensor by tensor.
 
-`stream_into(model, files, cfg, dtype, keep_packed)` gives every parameter and persistent buffer of
-`model` (built under ``torch.device("meta")``) its checkpoint value, so the whole-model intermediates of
-reading a state dict first never exist (no fp32 model skeleton, no dict of every tensor, no dequantised
+`stream_into(model, entries, cfg, dtype, keep_packed, block)` gives every parameter and persistent
+buffer of `model` (built without writing its weights: `loader._unfilled_model`, or on the meta device)
+its checkpoint value, replacing the tensor, so the whole-model intermediates of reading a state dict
+first never exist (no fp32 model skeleton, no dict of every tensor, no dequantised
 copy of a packed weight). Invariants:
 
 * FP8 / FP4 weights named in `keep_packed` are read (``readinto``, not mapped) and repacked into their
@@ -166,7 +167,7 @@ def _quantised(name: str, w: torch.Tensor, s: torch.Tensor, block: tuple[int, in
 
 def stream_into(model: nn.Module, entries: dict[str, Entry], cfg: ModelConfig, dtype: torch.dtype,
                 keep_packed: frozenset[str], block: tuple[int, int], map_plain: bool = True) -> None:
-    """Fill `model` (on the meta device) from `entries` (released names; see module doc)."""
+    """Fill `model` (weights unwritten) from `entries` (released names; see module doc)."""
     scales = _scales(entries)
     used = set(scales.values())
     slots: dict[str, tuple[nn.Module, str, torch.Tensor, bool]] = {}

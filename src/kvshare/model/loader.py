@@ -24,14 +24,14 @@ Writing checkpoints (`save_checkpoint`, `export_transformers`) lives in `checkpo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError
@@ -298,37 +298,30 @@ def _scale_names(entries: dict) -> list[str]:
             and _scale_owner(n, entries) is not None]
 
 
-def _meta_model(cfg: ModelConfig, quant: "bool | QuantMode", tokenizer: object | None) -> "Transformer":
-    """A `Transformer` whose parameters live on the meta device (no memory) and whose derived tensors
-    (rotary frequencies, the Engram hasher) are real: `stream_into` then gives each parameter its value."""
+def _unfilled_model(cfg: ModelConfig, quant: "bool | QuantMode", tokenizer: object | None) -> "Transformer":
+    """A CPU `Transformer` whose weights are allocated but never written (`_SkipRandomFill`): the
+    pages of a large weight are not resident until `stream_into` replaces it (a packed weight's
+    never are). Derived tensors (rotary frequencies, the Engram hasher) are computed as usual. (Not
+    the meta device: its first use imports ~800 modules, ~3 s and ~72 MB.)"""
     from kvshare.model.deepseek import Transformer
-    from kvshare.model.rope import RotaryEmbedding
 
-    with torch.device("meta"), _hasher_on_cpu():
-        model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
-    rd = cfg.qk_rope_head_dim  # computed on meta by the constructor: rebuilt on the CPU
-    model.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
-    model.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
-    return model
+    with _SkipRandomFill():
+        return Transformer(cfg, quant=quant, tokenizer=tokenizer)
 
 
-@contextlib.contextmanager
-def _hasher_on_cpu() -> Iterator[None]:
-    """Inside a meta-device build, the Engram hasher (which reads its tables while it is built) is
-    still built on the CPU: the constructor's `engram_hasher` is wrapped for the duration."""
-    from kvshare.model import deepseek
+class _SkipRandomFill(TorchFunctionMode):
+    """Turns parameter initialisation's in-place fills (``torch.nn.init.*_``, which the `nn.Linear` /
+    `nn.Embedding` constructors call, and ``Tensor.uniform_`` / ``normal_``) into no-ops returning
+    the tensor; every other op runs as is."""
 
-    real = deepseek.engram_hasher
+    _SKIPPED = frozenset({torch.Tensor.uniform_, torch.Tensor.normal_})
 
-    def on_cpu(*args: object, **kwargs: object) -> object:
-        with torch.device("cpu"):
-            return real(*args, **kwargs)
-
-    deepseek.engram_hasher = on_cpu  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        deepseek.engram_hasher = real  # type: ignore[assignment]
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in self._SKIPPED or (getattr(func, "__module__", None) == "torch.nn.init"
+                                     and func.__name__.endswith("_")):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -365,8 +358,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
         check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg),
                             _weight_block(cfg))
     entries = _streamable(weights_dir, cfg) if with_weights and not draft else None
-    if entries is not None:  # released naming: built on meta, filled tensor by tensor (no full copies)
-        model = _meta_model(cfg, quant, tokenizer)
+    if entries is not None:  # released naming: filled tensor by tensor (no whole-model copies)
+        model = _unfilled_model(cfg, quant, tokenizer)
         stream_into(model, entries, cfg, dtype, _packable_names(model, dtype), _weight_block(cfg))
         release_free_heap()
         if cfg.engram_layer_ids:
