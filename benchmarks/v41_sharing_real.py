@@ -92,7 +92,7 @@ def main() -> None:
         print(json.dumps(entry), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"| context | KV B/token on | off | off/on | step ms on | step ms off | off/on |")
+    print("| context | KV B/token on | off | off/on | step ms on | step ms off | off/on |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['bytes_per_token_on']} | {r['bytes_per_token_off']} | "

@@ -14,6 +14,7 @@ count, as they are resident in this process; the page cache of files read with `
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -50,8 +51,8 @@ def run(path: str, dtype: str, prompt_len: int, new_tokens: int, threads: int) -
     """Load `path` in this process and report (module doc)."""
     import torch
 
-    import kvshare.llm  # noqa: F401  (module imports are not loading: done before the baseline)
-    import kvshare.model.deepseek  # noqa: F401
+    for module in ("kvshare.llm", "kvshare.model.deepseek"):  # imports are not loading: before the baseline
+        importlib.import_module(module)
     from kvshare import kernels
     from kvshare.model.dtypes import weight_bytes
     from kvshare.model.loader import load_model

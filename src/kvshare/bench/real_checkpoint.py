@@ -192,3 +192,23 @@ def write_released_checkpoint(cfg: ModelConfig, out_dir: str | Path, seed: int =
             if progress is not None:
                 progress(name)
     return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvshare.bench.real_checkpoint OUT_DIR --model v4-flash --layers 4 --experts 32``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--model", default="v4-flash", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    n = write_released_checkpoint(real_config(a.model, a.layers, a.experts, a.vocab), a.out_dir, a.seed)
+    print(f"{a.out_dir}: {n / 1e6:.1f} MB of tensors")
+
+
+if __name__ == "__main__":
+    main()
