@@ -90,8 +90,8 @@ def main() -> None:
         rows.append(entry)
         del engines
         print(json.dumps(entry), flush=True)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # after every context: a partial run keeps its rows
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print("| context | KV B/token on | off | off/on | step ms on | step ms off | off/on |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
