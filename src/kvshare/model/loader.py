@@ -20,6 +20,11 @@ Writing checkpoints (`save_checkpoint`, `export_transformers`) lives in `checkpo
 * `load_model(name_or_path, ...)`: a directory (config + weights, or config only), a model shipped
   with weights (``kvshare/models/<name>/``, e.g. the trained kvshare-mini-v41), or a shipped
   config name; without weights the model is initialised by its ``init_weights(DEFAULT_SEED)``.
+  A checkpoint in the released naming (without DSpark stages) is streamed: the model is built with
+  its weights allocated but never written (`_unfilled_model`) and `checkpoint_stream.stream_into`
+  gives each tensor its value, one at a time (FP8 / FP4 read once and repacked, plain tensors in
+  their final dtype mapped from the file); peak memory is about the checkpoint's size. Other
+  namings, and ``draft=True``, read the whole checkpoint first (`load_checkpoint`).
 """
 
 from __future__ import annotations
