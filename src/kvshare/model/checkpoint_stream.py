@@ -27,6 +27,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -137,14 +138,25 @@ def final_dtype(module: nn.Module, leaf: str, current: torch.dtype, dtype: torch
     return dtype
 
 
-def _scales(entries: dict[str, Entry]) -> dict[str, str]:
-    """Weight name -> its scale's name, for FP8 / packed-FP4 weights (the `_scale_owner` rules)."""
-    from kvshare.model.loader import _scale_owner
+def scale_owner(name: str, tensors: Mapping[str, object]) -> str | None:
+    """The weight a scale tensor belongs to (None: `name` is not a scale of a present weight):
+    ``<module>.weight_scale_inv`` -> ``<module>.weight``; ``<stem>.scale`` -> ``<stem>.weight`` or ``<stem>``."""
+    if name.endswith(".weight_scale_inv"):
+        cands = [name[: -len("_scale_inv")]]
+    elif name.endswith(".scale"):
+        stem = name[: -len(".scale")]
+        cands = [stem + ".weight", stem]
+    else:
+        return None
+    return next((c for c in cands if c in tensors and c != name), None)
 
+
+def _scales(entries: dict[str, Entry]) -> dict[str, str]:
+    """Weight name -> its scale's name, for FP8 / packed-FP4 weights (`scale_owner`)."""
     out: dict[str, str] = {}
     for name, e in entries.items():
         if (name.endswith(".scale") or name.endswith("_scale_inv")) and e.dtype.is_floating_point:
-            owner = _scale_owner(name, entries)  # type: ignore[arg-type]
+            owner = scale_owner(name, entries)
             if owner is not None and entries[owner].dtype in (torch.float8_e4m3fn, *wq._PACKED_FP4_DTYPES):
                 out[owner] = name
     return out

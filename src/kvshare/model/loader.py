@@ -45,6 +45,7 @@ from kvshare.model.checkpoint_files import (INDEX_FILE, check_header_shapes, des
                                            refuse_pickle_only, weight_files)
 from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
 from kvshare.model.checkpoint_stream import Entry, index_files, release_free_heap, stream_into
+from kvshare.model.checkpoint_stream import scale_owner as _scale_owner
 from kvshare.model.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
 
 if TYPE_CHECKING:
@@ -112,18 +113,6 @@ def _weight_block(cfg: ModelConfig) -> tuple[int, int]:
     if isinstance(wbs, (list, tuple)) and len(wbs) == 2:
         return int(wbs[0]), int(wbs[1])
     return cfg.act_quant_block, cfg.act_quant_block
-
-
-def _scale_owner(name: str, tensors: dict[str, torch.Tensor]) -> str | None:
-    """The weight a scale tensor belongs to (None: `name` is not a scale of a present weight)."""
-    if name.endswith(".weight_scale_inv"):
-        cands = [name[: -len("_scale_inv")]]
-    elif name.endswith(".scale"):
-        stem = name[: -len(".scale")]
-        cands = [stem + ".weight", stem]
-    else:
-        return None
-    return next((c for c in cands if c in tensors and c != name), None)
 
 
 def _keep_packed(t: torch.Tensor, s: torch.Tensor, block: tuple[int, int]):
