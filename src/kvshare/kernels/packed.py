@@ -62,10 +62,19 @@ def _groups(n: int) -> int:
     return -(-n // GROUP)
 
 
-def _pad2(t: torch.Tensor, rows: int, cols: int, value: float | int = 0) -> torch.Tensor:
+def _pad2(t: torch.Tensor, rows: int, cols: int, value: float | int = 0, copy: bool = True) -> torch.Tensor:
+    if not copy and tuple(t.shape) == (rows, cols) and t.is_contiguous():
+        return t  # nothing to pad (the caller copies into its layout anyway)
     out = torch.full((rows, cols), value, dtype=t.dtype)
     out[: t.shape[0], : t.shape[1]] = t
     return out
+
+
+def _lanes(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous [G, C, 16] copy of t [G, 16, C] (rows to lanes). ``copy_`` into a fresh tensor:
+    never a view of `t`, and 2x faster than ``permute().contiguous()`` for the byte layouts."""
+    out = torch.empty((t.shape[0], t.shape[2], t.shape[1]), dtype=t.dtype)
+    return out.copy_(t.permute(0, 2, 1))
 
 
 def _no_exps() -> torch.Tensor:
@@ -112,8 +121,8 @@ def scale_exponents(scale: torch.Tensor, what: str) -> torch.Tensor:
 
 def _lane_exps(exps_rows: torch.Tensor, n: int, nb: int, kb: int) -> torch.Tensor:
     """Per-output exponents [n, kb] -> [NB, kb, 16] (padding rows: 127, scale 1)."""
-    full = _pad2(exps_rows[:n, :kb], nb * GROUP, kb, 127)
-    return full.reshape(nb, GROUP, kb).permute(0, 2, 1).contiguous()
+    full = _pad2(exps_rows[:n, :kb], nb * GROUP, kb, 127, copy=False)
+    return _lanes(full.reshape(nb, GROUP, kb))
 
 
 def _check_block(block: int, what: str) -> None:
@@ -140,8 +149,10 @@ def pack_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -
         exps = e[torch.arange(nb) * GROUP // bo].contiguous()
     else:
         exps = _lane_exps(e.repeat_interleave(bo, dim=0), n, nb, kb)
-    c = _pad2(codes.detach().to("cpu").view(torch.uint8), nb * GROUP, kp)
-    data = c.reshape(nb, GROUP, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+    c = _pad2(codes.detach().to("cpu").view(torch.uint8), nb * GROUP, kp, copy=False)
+    # (k, k + 1) byte pairs move together: as int16 lanes (the same bytes as permute(0, 2, 1, 3))
+    pairs = _lanes(c.view(torch.int16).reshape(nb, GROUP, kp // 2))
+    data = pairs.view(torch.uint8).reshape(nb, kp // 2, GROUP, 2)
     return Packed("fp8", n, k, kp, bi, data, exps)
 
 
@@ -157,8 +168,8 @@ def pack_fp4(packed: torch.Tensor, scale: torch.Tensor) -> Packed:
     _check_block(block, "FP4")
     nb, kb = _groups(n), scale.shape[1]
     exps = _lane_exps(scale_exponents(scale, "FP4"), n, nb, kb)
-    b = _pad2(packed.detach().to("cpu").view(torch.uint8), nb * GROUP, k // 2)
-    data = b.reshape(nb, GROUP, k // 2).permute(0, 2, 1).contiguous()
+    b = _pad2(packed.detach().to("cpu").view(torch.uint8), nb * GROUP, k // 2, copy=False)
+    data = _lanes(b.reshape(nb, GROUP, k // 2))
     return Packed("fp4", n, k, k, block, data, exps)
 
 

@@ -74,6 +74,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self._packed: torch.Tensor | None = None
         self._packed_key: tuple[int, int] | None = None
+        self._pack_wanted = False  # `pack()` asked for a oneDNN copy: made by the first forward_torch
         self.qweight: kernels.Packed | None = None  # an FP8 / FP4 checkpoint weight kept packed
         self.bind_kernels(KernelChoice.reference())
 
@@ -94,24 +95,32 @@ class Linear(nn.Linear):
                              f"{self.out_features} x {self.in_features}")
         self.qweight = packed
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
-        self._packed = None
+        self._packed, self._pack_wanted = None, False
         self.bind_kernels(self.choice)
 
     def _key(self) -> tuple[int, int]:
         return (self.weight.data_ptr(), version_of(self.weight))
 
     def pack(self) -> bool:
-        """Pack the weight for oneDNN when it is a bf16 CPU tensor and packing exists; True if packed."""
+        """Ask for a oneDNN copy of the weight when it is a bf16 CPU tensor and packing exists; True if
+        it will be used. The copy is made by the first `forward_torch` (the batched mode's), so a model
+        bound batch-invariant or to the packed kernels, which never read it, holds none."""
         w = self.weight
         if self.qweight is not None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or not packing_available():
-            self._packed = None
+            self._packed, self._pack_wanted = None, False
             return False
-        if self._packed is not None and self._packed_key == self._key():
-            return True
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-        self._packed_key = self._key()
+        if self._packed is not None and self._packed_key != self._key():
+            self._packed = None
+        self._pack_wanted = True
         return True
+
+    def _onednn_weight(self) -> torch.Tensor:
+        """The oneDNN copy of `weight`, made now if it is not there yet."""
+        if self._packed is None:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self._packed_key = self._key()
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl(x)
@@ -126,11 +135,11 @@ class Linear(nn.Linear):
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The reference: `F.linear`, or oneDNN's prepacked copy of a bf16 weight (the same bits)."""
-        packed = self._packed
-        if packed is not None and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
+        if self._pack_wanted and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            packed = self._onednn_weight()
             if self._packed_key == self._key():
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            self._packed = None
+            self._packed, self._pack_wanted = None, False
         return F.linear(x, self.weight)
 
 

@@ -20,6 +20,11 @@ Writing checkpoints (`save_checkpoint`, `export_transformers`) lives in `checkpo
 * `load_model(name_or_path, ...)`: a directory (config + weights, or config only), a model shipped
   with weights (``kvshare/models/<name>/``, e.g. the trained kvshare-mini-v41), or a shipped
   config name; without weights the model is initialised by its ``init_weights(DEFAULT_SEED)``.
+  A checkpoint in the released naming (without DSpark stages) is streamed: the model is built with
+  its weights allocated but never written (`_unfilled_model`) and `checkpoint_stream.stream_into`
+  gives each tensor its value, one at a time (FP8 / FP4 read once and repacked, plain tensors in
+  their final dtype mapped from the file); peak memory is about the checkpoint's size. Other
+  namings, and ``draft=True``, read the whole checkpoint first (`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError
@@ -38,7 +44,9 @@ from kvshare.model import weights_quant as wq
 from kvshare.model.checkpoint_files import (INDEX_FILE, check_header_shapes, describe,
                                            refuse_pickle_only, weight_files)
 from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
-from kvshare.model.hf_naming import released_shapes, to_released
+from kvshare.model.checkpoint_stream import Entry, index_files, release_free_heap, stream_into
+from kvshare.model.checkpoint_stream import scale_owner as _scale_owner
+from kvshare.model.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
 
 if TYPE_CHECKING:
     from kvshare.model.deepseek import Transformer
@@ -105,18 +113,6 @@ def _weight_block(cfg: ModelConfig) -> tuple[int, int]:
     if isinstance(wbs, (list, tuple)) and len(wbs) == 2:
         return int(wbs[0]), int(wbs[1])
     return cfg.act_quant_block, cfg.act_quant_block
-
-
-def _scale_owner(name: str, tensors: dict[str, torch.Tensor]) -> str | None:
-    """The weight a scale tensor belongs to (None: `name` is not a scale of a present weight)."""
-    if name.endswith(".weight_scale_inv"):
-        cands = [name[: -len("_scale_inv")]]
-    elif name.endswith(".scale"):
-        stem = name[: -len(".scale")]
-        cands = [stem + ".weight", stem]
-    else:
-        return None
-    return next((c for c in cands if c in tensors and c != name), None)
 
 
 def _keep_packed(t: torch.Tensor, s: torch.Tensor, block: tuple[int, int]):
@@ -261,6 +257,67 @@ def _packable_names(model: torch.nn.Module, dtype: torch.dtype) -> frozenset[str
     return frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QLinear))
 
 
+def _streamable(weights_dir: Path, cfg: ModelConfig) -> "dict[str, Entry] | None":
+    """The checkpoint's backbone tensors with their byte ranges when it is in the released naming
+    (`checkpoint_stream`); None for other namings, which `load_checkpoint` maps whole. Draft, vision
+    and Engram-table tensors are left out (logged as `load_checkpoint` does)."""
+    files = checkpoint_files(weights_dir)
+    entries = index_files(files)
+    engram_tables(files, cfg, "mmap")  # names, dtypes and shapes of the Engram tables
+    skipped = {"draft": 0, "vision": 0}
+    kept: dict[str, Entry] = {}
+    for name, e in entries.items():
+        if is_table_name(name):
+            continue
+        kind = _skip_kind(name, cfg)
+        if kind is None:
+            kept[name] = e
+        else:
+            skipped[kind] += 1
+    scale_names = set(_scale_names(kept))
+    if detect_naming([n for n in kept if n not in scale_names]) != NAMINGS[0]:
+        return None
+    if any(skipped.values()):
+        routine = not skipped["vision"] and cfg.num_draft_layers > 0
+        (log.info if routine else log.warning)(
+            "checkpoint %s: skipped %d draft (mtp) and %d vision tensors (not used by the text backbone)",
+            weights_dir, skipped["draft"], skipped["vision"])
+    if cfg.tie_word_embeddings and "head.weight" not in kept and "embed.weight" in kept:
+        kept["head.weight"] = kept["embed.weight"]
+    return kept
+
+
+def _scale_names(entries: dict) -> list[str]:
+    return [n for n in entries if (n.endswith(".scale") or n.endswith("_scale_inv"))
+            and _scale_owner(n, entries) is not None]
+
+
+def _unfilled_model(cfg: ModelConfig, quant: "bool | QuantMode", tokenizer: object | None) -> "Transformer":
+    """A CPU `Transformer` whose weights are allocated but never written (`_SkipRandomFill`): the
+    pages of a large weight are not resident until `stream_into` replaces it (a packed weight's
+    never are). Derived tensors (rotary frequencies, the Engram hasher) are computed as usual. (Not
+    the meta device: its first use imports ~800 modules, ~3 s and ~72 MB.)"""
+    from kvshare.model.deepseek import Transformer
+
+    with _SkipRandomFill():
+        return Transformer(cfg, quant=quant, tokenizer=tokenizer)
+
+
+class _SkipRandomFill(TorchFunctionMode):
+    """Turns parameter initialisation's in-place fills (``torch.nn.init.*_``, which the `nn.Linear` /
+    `nn.Embedding` constructors call, and ``Tensor.uniform_`` / ``normal_``) into no-ops returning
+    the tensor; every other op runs as is."""
+
+    _SKIPPED = frozenset({torch.Tensor.uniform_, torch.Tensor.normal_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in self._SKIPPED or (getattr(func, "__module__", None) == "torch.nn.init"
+                                     and func.__name__.endswith("_")):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                quant: "bool | QuantMode" = True, engram_table: TableMode = DEFAULT_TABLE_MODE,
                draft: bool = False) -> "Transformer":
@@ -294,6 +351,16 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     if with_weights:  # shapes from the headers, before the model (or any pool) is allocated
         check_header_shapes(weight_files(weights_dir), cfg.num_hidden_layers, released_shapes(cfg),
                             _weight_block(cfg))
+    entries = _streamable(weights_dir, cfg) if with_weights and not draft else None
+    if entries is not None:  # released naming: filled tensor by tensor (no whole-model copies)
+        model = _unfilled_model(cfg, quant, tokenizer)
+        stream_into(model, entries, cfg, dtype, _packable_names(model, dtype), _weight_block(cfg))
+        release_free_heap()
+        if cfg.engram_layer_ids:
+            model.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, engram_table))
+        from kvshare.model.dtypes import cast_model
+
+        return cast_model(model, dtype, device).eval()
     model = Transformer(cfg, quant=quant, tokenizer=tokenizer)
     if draft:  # DSpark stages as model.mtp (speculative decoding)
         from kvshare.model.dspark import attach_dspark

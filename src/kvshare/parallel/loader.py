@@ -5,7 +5,9 @@
 - a checkpoint directory (or a shipped model with weights) in the released naming: the model is built
   on the meta device (on the CPU for Engram models), given this rank's shapes, and filled by `read_rank_state`, which reads each
   sharded tensor with ``safe_open(...).get_slice`` (and the matching rows of an FP8 weight's block
-  scale), skips the routed experts of other ranks and reads replicated tensors whole;
+  scale), skips the routed experts of other ranks and reads replicated tensors whole; in a bf16
+  model with the native kernels the FP8 / FP4 `QLinear` weights stay packed (`kernels.Packed`), as
+  at TP=1, where the slice allows it (whole experts; FP8 slices of whole scale blocks);
 - a checkpoint in another naming (transformers'): the whole checkpoint is read, then narrowed;
 - a config name or file without weights: the full model is initialised (`init_weights`), then sharded.
 Engram (V4.1): every rank hashes the same ids, maps the host tables and keeps only its hash columns'
@@ -31,16 +33,20 @@ from kvshare.model.checkpoint_files import refuse_pickle_only
 from kvshare.model.hf_naming import NAMINGS, detect_naming
 from kvshare.model.engram_table import is_table_name
 from kvshare.parallel.engram_shard import shard_engram
-from kvshare.model.loader import (_scale_owner, _skip_kind, _weight_block, checkpoint_files, engram_tables,
-                                  has_weights, load_checkpoint, load_model, load_state_into)
+from kvshare.model.checkpoint_stream import _quantised
+from kvshare.model.loader import (_packable_names, _scale_owner, _skip_kind, _weight_block, checkpoint_files,
+                                  engram_tables, has_weights, load_checkpoint, load_model, load_state_into)
 from kvshare.parallel.shard import ShardPlan, apply_tp, check_divisible, restructure
 
 log = logging.getLogger(__name__)
 _PLAIN = ("F64", "F32", "BF16", "F16")
 
 
-def read_rank_state(path: str | Path, cfg: ModelConfig, plan: ShardPlan) -> dict[str, torch.Tensor]:
-    """This rank's released-naming state dict (local expert numbering), decoded to floating point."""
+def read_rank_state(path: str | Path, cfg: ModelConfig, plan: ShardPlan,
+                    keep_packed: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """This rank's released-naming state dict (local expert numbering), decoded to floating point
+    except the FP8 / FP4 weights named (locally) in `keep_packed`, returned as `kernels.Packed` where
+    the kernels can hold their slice (a whole expert, or an FP8 slice of whole scale blocks)."""
     files = checkpoint_files(path)
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
@@ -63,15 +69,16 @@ def read_rank_state(path: str | Path, cfg: ModelConfig, plan: ShardPlan) -> dict
             continue
         local, dim, start, length = p
         scale = where[scales[name]].get_slice(scales[name]) if name in scales else None
-        out[local] = _read(name, sl, scale, dim, start, length, block)
+        out[local] = _read(name, sl, scale, dim, start, length, block, local in keep_packed)
     if cfg.tie_word_embeddings and "head.weight" not in out and "embed.weight" in out:
         out["head.weight"] = out["embed.weight"]
     return out
 
 
 def _read(name: str, sl: Any, scale: Any, dim: int | None, start: int, length: int,
-          block: tuple[int, int]) -> torch.Tensor:
-    """One tensor's part (`dim` None: whole), FP8/FP4 decoded with its scale when it has one.
+          block: tuple[int, int], pack: bool = False) -> torch.Tensor:
+    """One tensor's part (`dim` None: whole), FP8/FP4 decoded with its scale when it has one (kept
+    packed instead when `pack` and the kernels can hold it).
 
     An FP8 slice holding whole scale blocks reads only its rows of the weight and of the scale;
     any other quantised slice is decoded whole, then narrowed."""
@@ -82,15 +89,17 @@ def _read(name: str, sl: Any, scale: Any, dim: int | None, start: int, length: i
             raise CheckpointError(f"tensor `{name}` is quantised ({t.dtype}) but has no `.scale` companion")
         return t
     if dim is None:
-        return _decode(name, sl[:], scale[:], block)
+        return _decode(name, sl[:], scale[:], block, pack)
     b = block[dim]
     if sl.get_dtype() == "F8_E4M3" and start % b == 0 and length % b == 0:
         return _decode(name, sl[whole + (slice(start, start + length),)],
-                       scale[whole + (slice(start // b, (start + length) // b),)], block)
+                       scale[whole + (slice(start // b, (start + length) // b),)], block, pack)
     return _decode(name, sl[:], scale[:], block).narrow(dim, start, length).clone()
 
 
-def _decode(name: str, w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def _decode(name: str, w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], pack: bool = False) -> Any:
+    if pack and (wq.is_fp8(w) or wq.is_packed_fp4(w)):
+        return _quantised(name, w.contiguous(), s.contiguous(), block, True)
     try:
         if wq.is_fp8(w):
             return wq.dequant_fp8_weight(w, s, block)
@@ -148,7 +157,7 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     rd = cfg.qk_rope_head_dim  # what the constructor computed was not materialised on meta: rebuild it
     m.rope_main = RotaryEmbedding(rd, cfg.rope_theta, None)
     m.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
-    load_state_into(m, read_rank_state(weights_dir, cfg, plan))
+    load_state_into(m, read_rank_state(weights_dir, cfg, plan, _packable_names(m, dtype)))
     if cfg.engram_layer_ids:  # each rank keeps its hash columns' rows of the mapped tables
         m.engram_hash = engram_hasher(cfg, tokenizer)
         m.attach_engram_tables(engram_tables(checkpoint_files(weights_dir), cfg, args.engram_table))
