@@ -21,7 +21,7 @@ from kvshare.bench.kv_runner import build_model, kv_generate
 from kvshare.bench.sizes import BenchSizes, peer_v4_config
 from kvshare.config import ModelConfig
 from kvshare.llm import LLM
-from kvshare.model.loader import load_model
+from kvshare.weights.loader import load_model
 
 PROMPT, NEW, BATCHES = 256, 32, (1, 8)
 

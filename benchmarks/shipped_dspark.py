@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
            "loadavg_before": load0, "loadavg_after": os.getloadavg(), "rows": rows, "mean": total}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"| prompt | plain tok/s | DSpark tok/s | plain step ms | verify step ms | mean accepted length | lossless |")
+    print("| prompt | plain tok/s | DSpark tok/s | plain step ms | verify step ms | mean accepted length | lossless |")
     print("|---|---|---|---|---|---|---|")
     for r in rows + [dict(total, prompt="mean")]:
         print(f"| {r['prompt']!r} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['plain_step_ms']:.1f} | "

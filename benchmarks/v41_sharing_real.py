@@ -47,7 +47,7 @@ def main() -> None:
     from kvshare.bench.kv_runner import blocks_needed, engine_layout, kv_decode_interleaved, kv_prefill
     from kvshare.engine.engine import LLMEngine
     from kvshare.bench.real_checkpoint import real_config, write_released_checkpoint
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)

@@ -19,8 +19,8 @@ from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
 from kvshare.model.deepseek import Transformer
-from kvshare.model.dense_cache import DenseCache
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch
 
 TOL = 1e-5
 K = 4

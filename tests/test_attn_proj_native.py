@@ -39,7 +39,7 @@ from kvshare.layers import attn_proj as layer
 from kvshare.model import Transformer
 from kvshare.model.attention import Attention
 from kvshare.model.dtypes import cast_model
-from kvshare.model.loader import load_model
+from kvshare.weights.loader import load_model
 from test_engine_exact import greedy_random_run, spy_logits
 from test_kernels_model import _quantised_checkpoint
 

@@ -144,7 +144,7 @@ def test_row_index_scores_match_the_formula_and_ignore_the_other_rows() -> None:
 
 def test_step_addresses_bucket_rows_by_their_own_causal_count() -> None:
     """Written out: rows at positions p of ratio 2 have (p + 1) // 2 entries, rounded up to 4."""
-    from kvshare.runtime import StepBatch
+    from kvshare.step import StepBatch
 
     batch = StepBatch.build([0, 9], [5, 3])  # positions 0-4 and 9-11
     got = [(b, rows.tolist()) for b, rows in batch.addresses().length_buckets(2, 4)]
@@ -156,7 +156,7 @@ def _model(name: str) -> Transformer:
     if name == "cand":
         return Transformer(cand_config(), quant=True).init_weights(4).eval().to(torch.bfloat16)
     if name == "kvshare-mini-v41":
-        from kvshare.model.loader import load_model
+        from kvshare.weights.loader import load_model
 
         return load_model(name, dtype=torch.bfloat16, quant=True)
     return Transformer(load_config(name), quant=True).init_weights(4).eval().to(torch.bfloat16)

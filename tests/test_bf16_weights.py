@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kvshare.engine.engine import LLMEngine
 from kvshare.model.dtypes import cast_model, weight_bytes
 from kvshare.model.linear import Linear, pack_linears, packing_available
-from kvshare.model.weights_quant import dequant_fp4_weight, dequant_fp8_weight
+from kvshare.weights.weights_quant import dequant_fp4_weight, dequant_fp8_weight
 from test_model_common import make_model
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the e2m1 magnitude table

@@ -52,8 +52,8 @@ def test_resolve_gives_the_choice_for_the_model() -> None:
 
 
 def _decode(model, steps: int = 3) -> list[torch.Tensor]:
-    from kvshare.model.dense_cache import DenseCache
-    from kvshare.runtime import StepBatch
+    from kvshare.cache.dense import DenseCache
+    from kvshare.step import StepBatch
 
     cache = DenseCache(model.cfg, model.topo, 1, 24, dtype=model.embed.weight.dtype)
     ids, out = list(range(3, 12)), []

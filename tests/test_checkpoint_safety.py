@@ -14,8 +14,8 @@ from kvshare.cli import main
 from kvshare.config import load_config
 from kvshare.errors import CheckpointError, ConfigError
 from kvshare.model import deepseek
-from kvshare.model.loader import load_model
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.loader import load_model
+from kvshare.weights.checkpoint_write import save_checkpoint
 from kvshare.shipped import resolve_config_path
 
 

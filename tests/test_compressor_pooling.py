@@ -17,8 +17,8 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.model.compressor import Compressor
-from kvshare.model.dense_cache import DenseCache
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch
 from kvshare.topology import Topology
 
 F64 = torch.float64

@@ -13,11 +13,11 @@ from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
 from kvshare.errors import CheckpointError
 from kvshare.model.deepseek import Transformer
-from kvshare.model.dense_cache import DenseCache
+from kvshare.cache.dense import DenseCache
 from kvshare.model.dspark import DSparkDraft, attach_dspark
-from kvshare.model.loader import load_model
-from kvshare.model.checkpoint_write import save_checkpoint
-from kvshare.runtime import StepBatch, StepState
+from kvshare.weights.loader import load_model
+from kvshare.weights.checkpoint_write import save_checkpoint
+from kvshare.step import StepBatch, StepState
 
 import dspark_reference as ref
 from test_speculative_exact import greedy_reference, oracle

@@ -22,9 +22,9 @@ from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
 from kvshare.model.deepseek import Transformer
-from kvshare.model.dense_cache import DenseCache
+from kvshare.cache.dense import DenseCache
 from kvshare.model.quantize import KVQuantizer
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 pytestmark = pytest.mark.usefixtures("small_prefill_paths")  # prefill runs its fast paths
 

@@ -17,8 +17,9 @@ import torch
 from kvshare.config import load_config
 from kvshare.engine.sampling import SamplingParams
 from kvshare.llm import LLM
-from kvshare.model import DenseCache, Transformer
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
+from kvshare.step import StepBatch
 from test_engine_exact import packed_formats_lossless
 
 NAME = "tiny-v41-engram"

@@ -22,7 +22,7 @@ from kvshare.errors import ConfigError
 from kvshare.model.engram import lookback_ids
 from kvshare.model.engram_hash import EngramHasher, EngramLayout, engram_multipliers
 from kvshare.model.engram_tokens import compressed_token_map
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 from kvshare.shipped import resolve_config_path
 from kvshare.tokenizer import ByteTokenizer
 

@@ -23,12 +23,13 @@ from tokenizers import Tokenizer, models
 
 from kvshare.config import load_config
 from kvshare.errors import CheckpointError, ConfigError
-from kvshare.model import DenseCache, Transformer
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
 from kvshare.model.engram_table import EngramTable, open_tables
-from kvshare.model.loader import load_checkpoint, load_model
-from kvshare.model.checkpoint_write import hf_style_config
-from kvshare.model.weights_quant import dequant_fp8_weight, quantize_fp8_weight
-from kvshare.runtime import StepBatch
+from kvshare.weights.loader import load_checkpoint, load_model
+from kvshare.weights.checkpoint_write import hf_style_config
+from kvshare.weights.weights_quant import dequant_fp8_weight, quantize_fp8_weight
+from kvshare.step import StepBatch
 
 NAME = "tiny-v41-engram"
 

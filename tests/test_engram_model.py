@@ -20,10 +20,11 @@ import torch
 
 from kvshare.config import load_config
 from kvshare.layers import KernelChoice
-from kvshare.model import DenseCache, Transformer
-from kvshare.model.context import StepContext
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
+from kvshare.step.context import StepContext
 from kvshare.model.mhc import hc_collapse, identity_pre
-from kvshare.runtime import StepBatch, StepState
+from kvshare.step import StepBatch, StepState
 from test_model_common import assert_close, random_chunks, token_ids
 
 NAME = "tiny-v41-engram"

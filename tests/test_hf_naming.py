@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 from kvshare.config import load_config
 from kvshare.errors import CheckpointError
-from kvshare.model import hf_naming
-from kvshare.model.hf_naming import NAMINGS, detect_naming, from_released, released_shapes, to_released
-from kvshare.model.loader import load_checkpoint
+from kvshare.weights import hf_naming
+from kvshare.weights.hf_naming import NAMINGS, detect_naming, from_released, released_shapes, to_released
+from kvshare.weights.loader import load_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: no oracle")
 from test_hf_save_pretrained import hf_config, randomize  # noqa: E402
@@ -114,7 +114,7 @@ def test_stacked_experts_must_be_complete() -> None:
 
 def test_export_refuses_v41(tmp_path: Path) -> None:
     from kvshare.errors import ConfigError
-    from kvshare.model.checkpoint_write import export_transformers
+    from kvshare.weights.checkpoint_write import export_transformers
 
     cfg = load_config("tiny-v41")
     with pytest.raises(ConfigError, match="V4.1"):

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from kvshare.config import ModelConfig, load_config
-from kvshare.model.hf_naming import kvshare_to_transformers, transformers_config_dict
-from kvshare.runtime import StepBatch
+from kvshare.weights.hf_naming import kvshare_to_transformers, transformers_config_dict
+from kvshare.step import StepBatch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: no HF oracle")
 DeepseekV4Config = transformers.DeepseekV4Config
@@ -101,7 +101,7 @@ def build_pair(cfg: ModelConfig, seed: int = 0):
 
 
 def ks_prefill(ks, ids: torch.Tensor) -> torch.Tensor:
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     cache = DenseCache(ks.cfg, ks.topo, 1, SEQ)
     return ks.forward(ids, StepBatch.build([0], [ids.numel()]), cache)
@@ -109,7 +109,7 @@ def ks_prefill(ks, ids: torch.Tensor) -> torch.Tensor:
 
 def ks_decode(ks, ids: torch.Tensor) -> torch.Tensor:
     """kvshare logits of positions PREFIX..SEQ-1: a prefill of PREFIX tokens, then one token per step."""
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     cache = DenseCache(ks.cfg, ks.topo, 1, SEQ)
     ks.forward(ids[:PREFIX], StepBatch.build([0], [PREFIX]), cache)
@@ -134,7 +134,7 @@ def hf_run(hf, ids: torch.Tensor, rec: GapRecorder) -> tuple[torch.Tensor, torch
 
 def ks_batched(ks, seqs: list[torch.Tensor], chunks: list[int]) -> list[torch.Tensor]:
     """kvshare logits of several sequences prefilled together, in steps of `chunks` tokens each."""
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     cache = DenseCache(ks.cfg, ks.topo, len(seqs), SEQ)
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshare.model.loader import load_checkpoint, load_model
-from kvshare.model.checkpoint_write import export_transformers
-from kvshare.runtime import StepBatch
+from kvshare.weights.loader import load_checkpoint, load_model
+from kvshare.weights.checkpoint_write import export_transformers
+from kvshare.step import StepBatch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: no HF oracle")
 from test_hf_oracle import GapRecorder  # noqa: E402  (same directory; pytest puts it on sys.path)
@@ -88,7 +88,7 @@ def prompts(vocab: int) -> list[torch.Tensor]:
 
 
 def ks_logits(ks, ids: torch.Tensor) -> torch.Tensor:
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     return ks.forward(ids, StepBatch.build([0], [ids.numel()]), DenseCache(ks.cfg, ks.topo, 1, ids.numel()))
 

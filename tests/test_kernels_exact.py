@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kernel_data import (e4m3_codes, emulate, exact_bf16_weight, fp4_pairs, fp8_valued, pow2_scales)
 from kvshare import kernels
-from kvshare.model.weights_quant import dequant_fp4_weight, dequant_fp8_weight
+from kvshare.weights.weights_quant import dequant_fp4_weight, dequant_fp8_weight
 
 ISAS = kernels.supported_isas()
 ORDERED = [i for i in ISAS if i in ("avx512", "avx2")]  # the paths that follow the documented order

@@ -16,10 +16,10 @@ from kvshare.model.deepseek import Transformer
 from kvshare.model.dtypes import cast_model, weight_bytes
 from kvshare.layers import KernelChoice
 from kvshare.model.linear import Linear, QLinear
-from kvshare.model.loader import load_model
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.loader import load_model
+from kvshare.weights.checkpoint_write import save_checkpoint
 from kvshare.model.moe import _run_experts
-from kvshare.model.weights_quant import release_quantize
+from kvshare.weights.weights_quant import release_quantize
 from test_model_common import run_chunks, token_ids
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (torch path only)")

@@ -11,7 +11,7 @@ import torch
 from kernel_data import e4m3_codes, fp4_pairs, pow2_scales
 from kvshare import kernels
 from kvshare.kernels import build
-from kvshare.model.weights_quant import dequant_fp4_weight, dequant_fp8_weight, pack_fp4_weight, quantize_fp8_weight
+from kvshare.weights.weights_quant import dequant_fp4_weight, dequant_fp8_weight, pack_fp4_weight, quantize_fp8_weight
 
 
 def test_dequantize_inverts_every_packing() -> None:

@@ -33,7 +33,7 @@ from kvshare.bench import llamacpp_files as files
 from kvshare.bench.llamacpp_peer import unsupported
 from kvshare.bench.sizes import QUICK, peer_v4_config
 from kvshare.config import ModelConfig, load_config
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.checkpoint_write import save_checkpoint
 
 CONVERTER = files.converter_dir()
 needs_converter = pytest.mark.skipif(CONVERTER is None, reason="llama.cpp's converter is not available "
@@ -96,8 +96,8 @@ def _ks_logits(model: torch.nn.Module, ids: torch.Tensor, prefix: int | None,
     """kvshare fp32 logits: every position of one prefill, or a `prefix` prefill then one token per
     step; asserts that no index-score row has a near-tie at the top-k boundary."""
     import kvshare.model.indexer as indexer
-    from kvshare.model.dense_cache import DenseCache
-    from kvshare.runtime import StepBatch
+    from kvshare.cache.dense import DenseCache
+    from kvshare.step import StepBatch
 
     gaps: list[float] = []
     select = indexer.select_topk

@@ -23,8 +23,9 @@ import torch
 from kvshare.config import load_config
 from kvshare.engine.sampling import SamplingParams
 from kvshare.llm import LLM
-from kvshare.model import DenseCache, Transformer
-from kvshare.runtime import StepBatch, StepState
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
+from kvshare.step import StepBatch, StepState
 from test_model_common import cand_config
 
 MAX_TOKENS = 6

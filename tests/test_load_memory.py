@@ -59,7 +59,7 @@ def test_streamed_load_peak_is_near_file_size_and_tokens_are_unchanged(checkpoin
 def test_streamed_values_equal_the_whole_read_path(checkpoint) -> None:
     from kvshare.kernels import Packed
     from kvshare.model.linear import Linear
-    from kvshare.model.loader import _packable_names, load_checkpoint, load_model
+    from kvshare.weights.loader import _packable_names, load_checkpoint, load_model
 
     path, cfg = checkpoint
     model = load_model(path, dtype=torch.bfloat16, quant=False)
@@ -84,7 +84,7 @@ def test_streamed_values_equal_the_whole_read_path(checkpoint) -> None:
 
 def test_mapped_weights_are_private_copies(checkpoint) -> None:
     """A weight served from the file's pages can be changed in the model without touching the file."""
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
 
     path, _ = checkpoint
     a = load_model(path, dtype=torch.bfloat16, quant=False)

@@ -12,12 +12,12 @@ from safetensors.torch import save_file
 
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError
-from kvshare.model import weights_quant as wq
-from kvshare.model.hf_naming import kvshare_to_transformers, released_shapes, transformers_to_kvshare
-from kvshare.model.loader import load_checkpoint, load_model
-from kvshare.model.checkpoint_write import hf_style_config, save_checkpoint
+from kvshare.weights import weights_quant as wq
+from kvshare.weights.hf_naming import kvshare_to_transformers, released_shapes, transformers_to_kvshare
+from kvshare.weights.loader import load_checkpoint, load_model
+from kvshare.weights.checkpoint_write import hf_style_config, save_checkpoint
 from kvshare.quant import fp4_codes, fp4_dequant
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 
 def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -84,7 +84,7 @@ def test_model_round_trip_same_logits(tmp_path: Path) -> None:
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     batch = StepBatch.build([0], [ids.numel()])
     with torch.no_grad():
@@ -185,10 +185,10 @@ def test_draft_and_vision_tensors_skipped_with_one_notice(cfg: ModelConfig, tmp_
     sd = random_state(cfg)
     extra = {"mtp.0.attn.wq_a.weight": torch.zeros(16, 32), "mtp.0.ffn.gate.weight": torch.zeros(4, 32),
              "vision.patch_embed.weight": torch.zeros(4, 4)}
-    with caplog.at_level(logging.WARNING, logger="kvshare.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="kvshare.weights.loader"):
         got = load_checkpoint(_write(tmp_path, {**sd, **extra}), cfg)
     assert_same(got, sd)
-    notes = [r.getMessage() for r in caplog.records if r.name == "kvshare.model.loader"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "kvshare.weights.loader"]
     assert len(notes) == 1 and "2 draft" in notes[0] and "1 vision" in notes[0]
 
 

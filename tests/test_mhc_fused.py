@@ -325,8 +325,8 @@ def test_engine_tokens_and_logits_are_bitwise_the_unfused_ones(name: str, dtype:
 
 def _forward_logits(model: Transformer, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Logits of a prefill of every prompt in one step, then `steps` greedy decode steps of the batch."""
-    from kvshare.model.dense_cache import DenseCache
-    from kvshare.runtime import StepBatch
+    from kvshare.cache.dense import DenseCache
+    from kvshare.step import StepBatch
 
     n = len(prompts)
     cache = DenseCache(model.cfg, model.topo, n, max(map(len, prompts)) + steps + 1, dtype=torch.bfloat16)

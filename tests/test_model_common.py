@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from kvshare.config import ModelConfig, load_config
-from kvshare.model import DenseCache, Transformer
-from kvshare.runtime import StepBatch, StepState
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
+from kvshare.step import StepBatch, StepState
 from kvshare.shipped import resolve_config_path
 from kvshare.topology import Role, Topology
 
@@ -98,7 +99,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float = FP32_LOGIT_ULPS
 
 @pytest.mark.parametrize("name", ["tiny-v41", "tiny-v41-deep", "tiny-v4", "cand", "tiny-v41-engram"])
 def test_state_dict_names_match_released_naming(name: str) -> None:
-    from kvshare.model.hf_naming import released_shapes
+    from kvshare.weights.hf_naming import released_shapes
 
     cfg = get_config(name)
     sd = Transformer(cfg).state_dict()
@@ -108,7 +109,7 @@ def test_state_dict_names_match_released_naming(name: str) -> None:
 
 
 def test_v41_flash_names_on_meta_device() -> None:
-    from kvshare.model.hf_naming import released_shapes
+    from kvshare.weights.hf_naming import released_shapes
 
     # 8 experts instead of 384 keep construction fast; attention naming is the released one.
     cfg = dataclasses.replace(load_config("deepseek-v4.1-flash"), engram_layer_ids=(), n_routed_experts=8)

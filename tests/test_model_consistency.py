@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.model import DenseCache
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch
 from test_model_common import (
     MAX_LEN, assert_close, make_model, random_chunks, run_chunks, token_ids,
 )

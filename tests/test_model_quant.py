@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvshare.layers import KernelChoice
-from kvshare.model import DenseCache, QuantMode
+from kvshare.cache.dense import DenseCache
+from kvshare.model import QuantMode
 from kvshare.model.linear import QLinear
 from kvshare.model.quantize import fit_block
 from kvshare.quant import fake_quant_fp4, fake_quant_fp8
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 from test_model_common import (
     MAX_LEN, make_model, run_chunks, token_ids,
 )

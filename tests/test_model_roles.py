@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from kvshare.model import DenseCache
-from kvshare.runtime import StepBatch, StepState
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch, StepState
 from kvshare.topology import Role
 from test_model_common import (
     MAX_LEN, assert_close, cand_config, make_model, run_chunks, token_ids,

@@ -36,8 +36,8 @@ from kvshare.kernels import moe as native_moe
 from kvshare.layers import KernelChoice
 from kvshare.model import Transformer
 from kvshare.layers import mhc_torch as mhc
-from kvshare.model.dense_cache import DenseCache
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch
 
 pytestmark = pytest.mark.skipif(not available(), reason="native kernels unavailable on this machine")
 

@@ -7,8 +7,8 @@ from kvshare.cache.layout import CacheLayout
 from kvshare.cache.paged_backend import PagedBackend
 from kvshare.cache.pool import BlockPool
 from kvshare.config import load_config
-from kvshare.model.dense_cache import DenseCache
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch
 from kvshare.topology import Topology
 
 CONFIGS = ["tiny-v41", "tiny-v41-deep", "tiny-v4", "kvshare-mini-v41"]

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvshare.errors import CheckpointError
-from kvshare.model.checkpoint_files import check_header_shapes, read_header, stored_shape
-from kvshare.model.loader import load_model
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.checkpoint_files import check_header_shapes, read_header, stored_shape
+from kvshare.weights.loader import load_model
+from kvshare.weights.checkpoint_write import save_checkpoint
 
 _SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 WQ_B = "layers.0.attn.wq_b.weight"
@@ -84,7 +84,7 @@ def variant(ckpt: Path, dst: Path, changes: dict[str, tuple[str, list[int]]] | N
 def bad_set(ckpt: Path, root: Path) -> dict[str, tuple[Path, str]]:
     """name -> (model dir, words the one error line must hold)."""
     from kvshare.config import load_config
-    from kvshare.model.loader import _weight_block
+    from kvshare.weights.loader import _weight_block
 
     bo, bi = _weight_block(load_config(ckpt))  # a scale that fits: the weight's shape is all that is wrong
     hdr = read_header(ckpt / "model.safetensors")
@@ -174,7 +174,7 @@ def test_stored_shape_of_each_format() -> None:
 def test_scales_are_checked_against_their_weights_format(ckpt: Path, tmp_path: Path) -> None:
     """FP8 scale: one per (bo x bi) block, partial edge blocks allowed; FP4: a divisor of the inputs."""
     from kvshare.config import load_config
-    from kvshare.model.hf_naming import released_shapes
+    from kvshare.weights.hf_naming import released_shapes
 
     cfg = load_config(ckpt)
     expected = released_shapes(cfg)

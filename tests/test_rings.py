@@ -8,7 +8,7 @@ import torch
 
 from kvshare.cache.formats import row_format
 from kvshare.cache.rings import Ring
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 
 def _ring(packed: bool, slots: int = 3, depth: int = 4, slack: int = 2) -> Ring:

@@ -51,7 +51,7 @@ def backbone_sha256(path: str) -> str:
 
 @needs_weights
 def test_shipped_backbone_is_unchanged_and_drafter_loads():
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
 
     d = shipped_model_dir(MODEL)
     assert backbone_sha256(str(d / "model.safetensors")) == BACKBONE_SHA256

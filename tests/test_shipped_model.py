@@ -34,7 +34,7 @@ def test_longest_run_counts_identical_neighbours():
 @pytest.mark.skipif(shipped_model_dir(MODEL) is None, reason="no shipped weights")
 def test_greedy_with_shipped_defaults_has_no_long_character_runs():
     from kvshare import LLM
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
     from kvshare.tokenizer import ByteTokenizer
 
     defaults = generation_defaults(MODEL)

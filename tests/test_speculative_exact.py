@@ -18,9 +18,9 @@ from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
 from kvshare.model.deepseek import Transformer
-from kvshare.model.dense_cache import DenseCache
+from kvshare.cache.dense import DenseCache
 from kvshare.model.dspark import attach_dspark
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 PROMPT_LENS = [1, 7, 19, 33, 12]
 MAX_TOKENS = 14
@@ -191,7 +191,7 @@ def test_requests_with_and_without_speculation_share_a_step():
 
 def test_checkpoint_without_mtp_refuses_speculation(tmp_path):
     from kvshare.errors import CheckpointError, ConfigError
-    from kvshare.model.checkpoint_write import save_checkpoint
+    from kvshare.weights.checkpoint_write import save_checkpoint
 
     cfg = load_config("tiny-v41-dspark")
     save_checkpoint(Transformer(cfg, quant=False).init_weights(0), cfg, tmp_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 STARTS, LENS, SLOTS = [0, 9, 30], [5, 1, 7], [2, 0, 1]
 

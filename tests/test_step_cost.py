@@ -13,7 +13,7 @@ from kvshare.engine import penalties
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.penalties import PenaltyCounts
 from kvshare.engine.sampling import SamplingParams
-from kvshare.model.loader import load_model
+from kvshare.weights.loader import load_model
 
 
 @pytest.fixture(scope="module")

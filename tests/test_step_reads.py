@@ -68,8 +68,8 @@ def test_every_backend_declares_the_in_place_reads() -> None:
     none (None), the paged backend the plain rows of a bf16 / fp32 pool. Mutation caught: DenseCache
     without `pool_keys` (the attribute check fails)."""
     from kvshare.cache.paged_backend import PagedBackend
-    from kvshare.model.dense_cache import DenseCache
-    from kvshare.runtime import CacheBackend, StepBatch
+    from kvshare.cache.dense import DenseCache
+    from kvshare.step import CacheBackend, StepBatch
 
     methods = [n for n, v in vars(CacheBackend).items() if callable(v) and not n.startswith("_")]
     assert {"window_keys", "pool_keys", "history", "gather_prefix"} <= set(methods)

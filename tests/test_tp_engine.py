@@ -20,8 +20,8 @@ import torch
 
 from kvshare.engine.sampling import SamplingParams
 from kvshare.llm import LLM
-from kvshare.model.loader import load_model
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.loader import load_model
+from kvshare.weights.checkpoint_write import save_checkpoint
 from kvshare.parallel.control import pool_digest
 from kvshare.parallel.launch import TPWorkerError
 

@@ -70,8 +70,8 @@ def test_sharded_engram_equals_tp1_bitwise() -> None:
 def test_sliced_loader_keeps_only_the_rank_rows(tmp_path) -> None:
     """A rank loaded from a checkpoint keeps its columns' rows, equal to the checkpoint's (both modes)."""
     from kvshare.engine.args import EngineArgs
-    from kvshare.model.loader import load_model
-    from kvshare.model.checkpoint_write import save_checkpoint
+    from kvshare.weights.loader import load_model
+    from kvshare.weights.checkpoint_write import save_checkpoint
     from kvshare.parallel.loader import load_rank_model
 
     full = load_model(NAME, quant=False)

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 import kvshare.parallel.loader as tp_loader
 from kvshare.config import load_config
 from kvshare.kernels import Packed, dequantize
-from kvshare.model import weights_quant as wq
-from kvshare.model.loader import load_checkpoint, load_model
+from kvshare.weights import weights_quant as wq
+from kvshare.weights.loader import load_checkpoint, load_model
 from kvshare.parallel.shard import ShardPlan
 from kvshare.shipped import resolve_config_path
 

@@ -160,7 +160,7 @@ def test_wsd_schedule_is_flat_then_cosine() -> None:
 
 
 def test_training_writes_to_a_run_directory_and_install_is_explicit(tmp_path: Path) -> None:
-    from kvshare.model.checkpoint_write import save_checkpoint
+    from kvshare.weights.checkpoint_write import save_checkpoint
     from kvshare.shipped import MODEL_DIR
     from kvshare.train.install import install
     from kvshare.train.train import DEFAULT_OUT, build_model

@@ -19,8 +19,9 @@ from kvshare.cache.regions import CacheWriteError
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.engine.sampling import SamplingParams
-from kvshare.model import DenseCache, Transformer
-from kvshare.runtime import StepBatch
+from kvshare.cache.dense import DenseCache
+from kvshare.model import Transformer
+from kvshare.step import StepBatch
 from kvshare.topology import Topology
 from test_model_common import make_model, token_ids
 

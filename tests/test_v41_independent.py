@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.model import DenseCache
-from kvshare.runtime import StepBatch, StepState
+from kvshare.cache.dense import DenseCache
+from kvshare.step import StepBatch, StepState
 from test_model_common import cand_config, make_model, token_ids
 from v41_reference import _fit, _moe, fp4, fp8, freqs, reference_forward, rms, rope
 

@@ -16,11 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kvshare.model.dense_cache import DenseCache
-from kvshare.model.loader import load_model
+from kvshare.cache.dense import DenseCache
+from kvshare.weights.loader import load_model
 from kvshare.parallel.group import TPGroup
 from kvshare.parallel.shard import apply_tp
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 PROMPT = [7, 200, 31, 4, 99, 18, 250, 3, 64, 1, 129, 77, 12, 190, 45, 6, 222, 90, 33, 8]
 

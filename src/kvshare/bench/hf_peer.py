@@ -1,7 +1,7 @@
 """The transformers peer: `DeepseekV4ForCausalLM.generate` on the same V4 weights as kvshare.
 
 The kvshare model's ``state_dict`` (DeepSeek checkpoint names) is renamed with
-``kvshare.model.hf_naming.kvshare_to_transformers`` and loaded strictly into a transformers model
+``kvshare.weights.hf_naming.kvshare_to_transformers`` and loaded strictly into a transformers model
 built from ``transformers_config_dict(cfg)``, so both engines compute with identical weights.
 
 Timing uses a streamer: ``generate`` hands the prompt to ``put`` before the prefill forward and
@@ -43,7 +43,7 @@ def build_hf_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from kvshare.model.hf_naming import kvshare_to_transformers, transformers_config_dict
+    from kvshare.weights.hf_naming import kvshare_to_transformers, transformers_config_dict
 
     hf_logging.set_verbosity_error()
     conf = DeepseekV4Config(**transformers_config_dict(cfg))

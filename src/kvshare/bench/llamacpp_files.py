@@ -107,7 +107,7 @@ def convert_checkpoint(ckpt_dir: Path, out: Path, converter: Path, outtype: str 
 
 def write_ggufs(model: Any, cfg: Any, out_dir: Path, converter: Path, dtype_label: str) -> dict[str, Path]:
     """The model's weights as ``{dtype_label: <checkpoint dtype GGUF>, "q8_0": <quantised GGUF>}``."""
-    from kvshare.model.checkpoint_write import save_checkpoint
+    from kvshare.weights.checkpoint_write import save_checkpoint
 
     ckpt = save_checkpoint(model, cfg, out_dir / "ckpt")
     out = {label: convert_checkpoint(ckpt, out_dir / f"model-{label}.gguf", converter, label)

@@ -33,7 +33,7 @@ def _status_kb(key: str) -> int:
 
 def checkpoint_bytes(path: str | Path) -> int:
     """Bytes of the checkpoint's safetensors files."""
-    from kvshare.model.loader import checkpoint_files
+    from kvshare.weights.loader import checkpoint_files
 
     return sum(f.stat().st_size for f in checkpoint_files(path))
 
@@ -55,7 +55,7 @@ def run(path: str, dtype: str, prompt_len: int, new_tokens: int, threads: int) -
         importlib.import_module(module)
     from kvshare import kernels
     from kvshare.model.dtypes import weight_bytes
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
 
     torch.set_num_threads(threads)
     kernels.available()  # the native library is loaded before the baseline

@@ -35,8 +35,8 @@ _EMBED = re.compile(r"(^|\.)embed(_tokens)?\.weight$")
 def quantised_checkpoint(cfg: ModelConfig, seed: int, out_dir: str) -> int:
     """Write the bench model (seeded random weights) in the release's formats; returns its bytes."""
     from kvshare.model.linear import QLinear
-    from kvshare.model.checkpoint_write import save_checkpoint
-    from kvshare.model.weights_quant import release_quantize
+    from kvshare.weights.checkpoint_write import save_checkpoint
+    from kvshare.weights.weights_quant import release_quantize
 
     model = build_model(cfg, seed, torch.bfloat16)
     names = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QLinear)}
@@ -76,7 +76,7 @@ def quantised_section(s: BenchSizes, *, device: str = "cpu", with_peer: bool = T
     """Run the comparison (see module doc)."""
     from kvshare import kernels
     from kvshare.model.dtypes import weight_bytes
-    from kvshare.model.loader import load_checkpoint, load_model
+    from kvshare.weights.loader import load_checkpoint, load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

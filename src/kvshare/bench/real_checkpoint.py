@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kvshare.config import ModelConfig
-from kvshare.model.checkpoint_files import SINGLE_FILE
-from kvshare.model.checkpoint_write import hf_style_config
-from kvshare.model.loader import _weight_block
-from kvshare.model.weights_quant import FP4_WEIGHT_BLOCK
+from kvshare.weights.checkpoint_files import SINGLE_FILE
+from kvshare.weights.checkpoint_write import hf_style_config
+from kvshare.weights.loader import _weight_block
+from kvshare.weights.weights_quant import FP4_WEIGHT_BLOCK
 
 MODELS = {"v4-flash": "deepseek-v4-flash", "v4.1-flash": "deepseek-v4.1-flash"}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64", torch.int8: "I8",

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from kvshare.step_addresses import compressed_row_address  # noqa: F401  (the address rule, re-exported)
+from kvshare.step.addresses import compressed_row_address  # noqa: F401  (the address rule, re-exported)
 
 NULL_BLOCK = 0
 

@@ -29,8 +29,8 @@ from kvshare.cache.in_place import PoolKeys, WindowKeys
 from kvshare.cache.pool import BlockPool
 from kvshare.cache.rings import Ring, write_all
 from kvshare.cache.step_reads import StepReadCache
-from kvshare.runtime import StepBatch
-from kvshare.step_addresses import StepAddresses, compressed_row_address
+from kvshare.step import StepBatch
+from kvshare.step.addresses import StepAddresses, compressed_row_address
 
 
 class PagedBackend:

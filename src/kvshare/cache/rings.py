@@ -23,7 +23,7 @@ import torch
 
 from kvshare.cache.formats import RowFormat
 from kvshare.kernels import rows as native_rows
-from kvshare.step_addresses import RingRead, RingWrite
+from kvshare.step.addresses import RingRead, RingWrite
 
 
 class Ring:

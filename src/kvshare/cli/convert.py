@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvshare.config import load_config
     from kvshare.errors import CheckpointError
-    from kvshare.model.loader import has_weights, load_checkpoint
-    from kvshare.model.checkpoint_write import export_transformers, save_checkpoint
+    from kvshare.weights.loader import has_weights, load_checkpoint
+    from kvshare.weights.checkpoint_write import export_transformers, save_checkpoint
 
     if not has_weights(args.src):
         raise CheckpointError(f"SRC {args.src} is not a directory holding safetensors weights")

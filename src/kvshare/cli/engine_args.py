@@ -154,8 +154,8 @@ def require_weights(model: str, random_weights: bool) -> None:
     from pathlib import Path
 
     from kvshare.errors import KVShareError
-    from kvshare.model.checkpoint_files import refuse_pickle_only
-    from kvshare.model.loader import has_weights
+    from kvshare.weights.checkpoint_files import refuse_pickle_only
+    from kvshare.weights.loader import has_weights
     from kvshare.shipped import shipped_model_dir
 
     p = Path(model)
@@ -192,7 +192,7 @@ def require_memory(model: str, dtype: str | None) -> None:
     CPU memory."""
     from kvshare.config import load_config
     from kvshare.errors import KVShareError
-    from kvshare.model.hf_naming import released_shapes
+    from kvshare.weights.hf_naming import released_shapes
     from kvshare.shipped import shipped_model_dir
 
     free = available_memory()

@@ -131,7 +131,7 @@ def weight_bytes(cfg: Any) -> dict[str, Any]:
     """Backbone parameters (bf16 bytes as the engine holds them on a GPU) and Engram's bytes in its
     released dtypes: the tables stay in host memory; `wkv` and the gates are among the parameters."""
     from kvshare.config.engram import engram_bytes
-    from kvshare.model.hf_naming import released_shapes
+    from kvshare.weights.hf_naming import released_shapes
 
     params = sum(math.prod(s) for s in released_shapes(cfg).values())
     eng = engram_bytes(cfg)

@@ -48,7 +48,7 @@ from kvshare.errors import RequestError, SetupError
 from kvshare.model.dspark import DSparkDraft
 from kvshare.model.dtypes import cast_model, weight_bytes
 from kvshare.model.linear import pack_linears
-from kvshare.model.loader import load_model
+from kvshare.weights.loader import load_model
 from kvshare.topology import Topology
 
 

@@ -27,7 +27,7 @@ import torch
 from kvshare.cache.checkpoint import restore
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.step_plan import ScheduledChunk
-from kvshare.runtime import StepState
+from kvshare.step import StepState
 
 
 class ForwardObserver(Protocol):

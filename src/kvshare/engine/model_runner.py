@@ -20,7 +20,7 @@ import torch
 
 from kvshare.cache.blocks import BlockManager
 from kvshare.engine.step_plan import ScheduledChunk, WireSequence
-from kvshare.runtime import CacheBackend, StepBatch, StepState
+from kvshare.step import CacheBackend, StepBatch, StepState
 
 
 class ModelRunner:

@@ -40,7 +40,7 @@ from kvshare.ops import invariant, sparse_attention
 from kvshare.ops.prefix_attention import picks_to_mask, prefix_attention, window_keys
 
 if TYPE_CHECKING:
-    from kvshare.model.context import StepContext
+    from kvshare.step.context import StepContext
 
 PER_SEQ_FACTOR = 2  # read a sequence's compressed rows whole while there are at most 2k of them
 _FLOATS = (torch.float32, torch.bfloat16)

@@ -44,7 +44,7 @@ from kvshare.precision import version_of, wide
 
 if TYPE_CHECKING:
     from kvshare.model.compressor import Compressor
-    from kvshare.model.context import StepContext
+    from kvshare.step.context import StepContext
 
 
 class CompressProject(Owned):

@@ -43,7 +43,7 @@ from kvshare.ops.index_scores import candidate_scores, row_index_scores
 from kvshare.precision import wide
 
 if TYPE_CHECKING:
-    from kvshare.model.context import StepContext
+    from kvshare.step.context import StepContext
     from kvshare.model.indexer import Indexer
 
 

@@ -33,7 +33,7 @@ from kvshare.config import ModelConfig
 from kvshare.layers.attention import PagedAttention
 from kvshare.layers.attn_proj import AttnIn, AttnOut
 from kvshare.model.compressor import Compressor, Emitted
-from kvshare.model.context import StepContext
+from kvshare.step.context import StepContext
 from kvshare.model.indexer import Indexer
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm

@@ -31,10 +31,10 @@ from torch import nn
 from kvshare.layers.compressor import CompressPool, CompressProject
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
-from kvshare.step_addresses import Groups
+from kvshare.step.addresses import Groups
 
 if TYPE_CHECKING:
-    from kvshare.model.context import StepContext
+    from kvshare.step.context import StepContext
 
 
 @dataclass

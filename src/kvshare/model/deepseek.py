@@ -31,7 +31,7 @@ from kvshare.layers import KernelChoice, bind_model
 from kvshare.layers import switches
 from kvshare.layers.mhc import HcWeights, Mhc
 from kvshare.model.attention import Attention
-from kvshare.model.context import StepContext
+from kvshare.step.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
 from kvshare.model.linear import plain_linear
@@ -41,7 +41,7 @@ from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.model.rope import RotaryEmbedding
 from kvshare.precision import wide
-from kvshare.runtime import CacheBackend, StepBatch, StepState
+from kvshare.step import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology
 
 

@@ -43,7 +43,7 @@ from kvshare.model.linear import QLinear
 from kvshare.model.quantize import QuantMode
 from kvshare.ops.invariant import pointwise
 from kvshare.precision import wide
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 GATE_CLAMP = 1e-6
 
@@ -125,20 +125,19 @@ def lookback_ids(input_ids: torch.Tensor, batch: StepBatch, n: int) -> tuple[tor
 
 
 def engram_hasher(cfg: ModelConfig, tokenizer: object | None) -> EngramHasher:
-    """The hasher of `cfg` over `tokenizer`'s compressed map (default: the byte tokenizer of the vocab)."""
-    from kvshare.model.engram_tokens import compressed_token_map
-    from kvshare.tokenizer import ByteTokenizer
+    """The hasher of `cfg` over `tokenizer`'s compressed map (default: the byte tokenizer of the vocab).
+    The tokenizer is handed in by whoever loads the model (`weights.loader`); this module imports none."""
+    from kvshare.model.engram_tokens import byte_token_map, compressed_token_map
 
-    if tokenizer is None:
-        if cfg.vocab_size < 256:
-            raise ConfigError(f"an Engram model needs a tokenizer; vocab_size {cfg.vocab_size} has no byte-level one",
-                              field="engram_compressed_vocab_size", fix="pass the model's tokenizer")
-        tokenizer = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    if tokenizer is None and cfg.vocab_size < 256:
+        raise ConfigError(f"an Engram model needs a tokenizer; vocab_size {cfg.vocab_size} has no byte-level one",
+                          field="engram_compressed_vocab_size", fix="pass the model's tokenizer")
+    token_map = byte_token_map(cfg.vocab_size) if tokenizer is None else compressed_token_map(tokenizer)
     layout = EngramLayout.build(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
                                 cfg.engram_vocab_size, cfg.engram_compressed_vocab_size)
     try:
-        return EngramHasher(layout, compressed_token_map(tokenizer), cfg.engram_compressed_vocab_size,
+        return EngramHasher(layout, token_map, cfg.engram_compressed_vocab_size,
                             cfg.engram_pad_token_id, cfg.vocab_size)
     except ValueError as e:
-        raise ConfigError(f"{e} (tokenizer: {type(tokenizer).__name__})", field="engram_compressed_vocab_size",
+        raise ConfigError(f"{e} (tokenizer: {type(tokenizer).__name__ if tokenizer is not None else 'byte-level'})", field="engram_compressed_vocab_size",
                           fix="load the model with its own tokenizer.json") from None

@@ -63,20 +63,30 @@ def _token_strings(tokenizer: Any) -> tuple[str, Iterator[tuple[str, str | None]
     if type(tokenizer).__name__ != "ByteTokenizer" or not isinstance(n, int):
         raise TypeError(f"cannot build Engram's compressed token map from {type(tokenizer).__name__}: "
                         "use a tokenizer.json tokenizer or the byte-level tokenizer")
+    return f"byte:{n}", _byte_strings(n)
 
-    def byte_strings() -> Iterator[tuple[str, str | None]]:
-        for i in range(n):
-            if i < 256:
-                yield bytes([i]).decode("utf-8", errors="replace"), f"<0x{i:02X}>"
-            else:
-                yield f"<|{i}|>", f"<|{i}|>"
 
-    return f"byte:{n}", byte_strings()
+def _byte_strings(n: int) -> Iterator[tuple[str, str | None]]:
+    """The byte-level tokenizer's (decoded text, raw token) of ids 0..n-1: bytes, then specials."""
+    for i in range(n):
+        if i < 256:
+            yield bytes([i]).decode("utf-8", errors="replace"), f"<0x{i:02X}>"
+        else:
+            yield f"<|{i}|>", f"<|{i}|>"
 
 
 def compressed_token_map(tokenizer: Any) -> torch.Tensor:
     """The map [len(tokenizer)] int64 of §1.3 (cached per tokenizer content)."""
-    key, strings = _token_strings(tokenizer)
+    return _map(*_token_strings(tokenizer))
+
+
+def byte_token_map(vocab_size: int) -> torch.Tensor:
+    """`compressed_token_map` of the byte-level tokenizer of `vocab_size` ids (no tokenizer object
+    needed: its token strings follow from the vocabulary size alone)."""
+    return _map(f"byte:{vocab_size}", _byte_strings(vocab_size))
+
+
+def _map(key: str, strings: Iterator[tuple[str, str | None]]) -> torch.Tensor:
     if key in _CACHE:
         return _CACHE[key].clone()
     norm = _normalizer()

@@ -27,7 +27,7 @@ from kvshare.cache.layout import overlap_factor
 from kvshare.config import ModelConfig
 from kvshare.layers.index_select import IndexSelect
 from kvshare.model.compressor import Compressor, Emitted
-from kvshare.model.context import StepContext
+from kvshare.step.context import StepContext
 from kvshare.model.linear import QLinear, plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode

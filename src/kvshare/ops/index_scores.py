@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.step_addresses import SeqRows
+from kvshare.step.addresses import SeqRows
 
 DEFAULT_BUDGET = 1 << 25  # elements per intermediate (128 MiB in fp32, 256 MiB in fp64)
 

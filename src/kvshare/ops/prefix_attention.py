@@ -30,7 +30,7 @@ import torch
 
 from kvshare.ops.sequence_band import attend_by_sequence
 from kvshare.precision import wide
-from kvshare.step_addresses import SeqRows
+from kvshare.step.addresses import SeqRows
 
 # a sequence with this many rows in the step (a prefill chunk) is attended on its own, W scores
 # per row; its ~15 kernel launches are then small next to the half-band scores they save.

@@ -28,13 +28,13 @@ from safetensors import safe_open
 from kvshare.config import ModelConfig, load_config
 from kvshare.engine.args import resolve_device, resolve_dtype
 from kvshare.errors import CheckpointError
-from kvshare.model import weights_quant as wq
-from kvshare.model.checkpoint_files import refuse_pickle_only
-from kvshare.model.hf_naming import NAMINGS, detect_naming
+from kvshare.weights import weights_quant as wq
+from kvshare.weights.checkpoint_files import refuse_pickle_only
+from kvshare.weights.hf_naming import NAMINGS, detect_naming
 from kvshare.model.engram_table import is_table_name
 from kvshare.parallel.engram_shard import shard_engram
-from kvshare.model.checkpoint_stream import _quantised
-from kvshare.model.loader import (_packable_names, _scale_owner, _skip_kind, _weight_block, checkpoint_files,
+from kvshare.weights.checkpoint_stream import _quantised
+from kvshare.weights.loader import (_packable_names, _scale_owner, _skip_kind, _weight_block, checkpoint_files,
                                   engram_tables, has_weights, load_checkpoint, load_model, load_state_into)
 from kvshare.parallel.shard import ShardPlan, apply_tp, check_divisible, restructure
 

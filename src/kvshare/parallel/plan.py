@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from kvshare.config import ModelConfig
-from kvshare.model.hf_naming import released_shapes
+from kvshare.weights.hf_naming import released_shapes
 from kvshare.parallel.engram_shard import rank_table_bytes
 from kvshare.parallel.shard import ShardPlan, check_divisible
 

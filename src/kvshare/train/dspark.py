@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kvshare.config import ModelConfig, load_config
-from kvshare.runtime import StepBatch, StepState
+from kvshare.step import StepBatch, StepState
 from kvshare.train.data import load_split, sample_contexts
 from kvshare.train.loop import dense_cache_factory, lr_at
 
@@ -98,7 +98,7 @@ def build(tc: DSparkTrainConfig) -> tuple[torch.nn.Module, ModelConfig]:
     from kvshare.layers import KernelChoice
     from kvshare.model.deepseek import Transformer
     from kvshare.model.dspark import attach_dspark
-    from kvshare.model.loader import load_checkpoint, load_state_into
+    from kvshare.weights.loader import load_checkpoint, load_state_into
 
     src = base_dir(tc.base)
     cfg = dspark_config(load_config(str(src)), tc)
@@ -197,7 +197,7 @@ def step_loss(model: torch.nn.Module, contexts: torch.Tensor, tc: DSparkTrainCon
 def save_release(model: torch.nn.Module, cfg: ModelConfig, tc: DSparkTrainConfig, log: dict[str, Any],
                  out: Path) -> None:
     """The base release's files, its backbone tensors unchanged, plus the bf16 mtp.* tensors."""
-    from kvshare.model.checkpoint_write import save_checkpoint
+    from kvshare.weights.checkpoint_write import save_checkpoint
 
     src = base_dir(tc.base)
     state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("mtp.")}

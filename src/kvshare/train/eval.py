@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from kvshare.model.loader import load_model
+    from kvshare.weights.loader import load_model
 
     pieces = eval_chunks(load_split(heldout=True), a.chunk, a.max_bytes)
     n_bytes = sum(int(p.numel()) for p in pieces)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import kvshare.layers.attention as attention_mod
 import kvshare.layers.index_select as indexer_mod
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 
 class Capture:

@@ -27,7 +27,7 @@ def install(src: Path, dest: Path, generation_config: Path | None = None, max_mb
     Raises ValueError when `src` lacks config.json or model.safetensors, when the weights exceed
     `max_mb` MB, or when they do not load against the config."""
     from kvshare.config import load_config
-    from kvshare.model.loader import load_checkpoint
+    from kvshare.weights.loader import load_checkpoint
 
     src, dest = Path(src), Path(dest)
     for need in ("config.json", "model.safetensors"):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 
 CacheFactory = Callable[[Any, StepBatch], Any]  # (model, batch) -> CacheBackend
 
@@ -25,7 +25,7 @@ def dense_cache_factory(model: Any, batch: StepBatch) -> Any:
     With autograd on, its compressed-row writes are out of place, so a loss in the same forward
     reaches the compressors and the index-key projections through the rows they wrote.
     """
-    from kvshare.model.dense_cache import DenseCache
+    from kvshare.cache.dense import DenseCache
 
     return DenseCache(model.cfg, model.topo, num_slots=batch.num_seqs, max_len=int(batch.ends.max()))
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvshare.config import load_config
-from kvshare.model.checkpoint_write import save_checkpoint
+from kvshare.weights.checkpoint_write import save_checkpoint
 from kvshare.train.data import build_manifest, load_split, sample_contexts, save_manifest, verify_manifest
 from kvshare.train.loop import dense_cache_factory, lm_loss, lr_at, param_groups, train_losses
 
@@ -70,7 +70,7 @@ def build_model(cfg_name: str, seed: int, quant: bool, init_from: str = "") -> t
     Bound to the torch reference (`KernelChoice.reference()`): autograd runs through every layer."""
     from kvshare.layers import KernelChoice
     from kvshare.model.deepseek import Transformer
-    from kvshare.model.loader import load_checkpoint, load_state_into
+    from kvshare.weights.loader import load_checkpoint, load_state_into
 
     cfg = load_config(cfg_name)
     torch.manual_seed(seed)

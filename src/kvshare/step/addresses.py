@@ -25,14 +25,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
 
-if TYPE_CHECKING:
-    from kvshare.runtime import StepBatch
+class ChunkBatch(Protocol):
+    """What the addresses read of a step's batch (`step.batch.StepBatch`, which builds them: so this
+    module needs no import of it)."""
+
+    positions: torch.Tensor
+    seq_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    starts: torch.Tensor
+    slots: torch.Tensor
+
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]: ...
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ class Prefix:
 class StepAddresses:
     """The addresses of one step (module doc). Build with ``batch.addresses()``."""
 
-    def __init__(self, batch: "StepBatch") -> None:
+    def __init__(self, batch: ChunkBatch) -> None:
         self.batch = batch
         self.device = batch.positions.device
         starts, lens, slots = batch.host_lists()

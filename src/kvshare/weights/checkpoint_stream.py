@@ -34,7 +34,7 @@ from torch import nn
 
 from kvshare.config import ModelConfig
 from kvshare.errors import CheckpointError
-from kvshare.model import weights_quant as wq
+from kvshare.weights import weights_quant as wq
 
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -30,7 +30,7 @@ import torch
 from kvshare.cache.regions import RegionMap
 from kvshare.cache.rings import Ring
 from kvshare.config import ModelConfig
-from kvshare.runtime import StepBatch
+from kvshare.step import StepBatch
 from kvshare.topology import Topology
 
 

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from kvshare.model.rope import RotaryEmbedding
-from kvshare.runtime import CacheBackend, StepBatch, StepState
-from kvshare.step_addresses import StepAddresses
+from kvshare.step.addresses import StepAddresses
+from kvshare.step.backend import CacheBackend
+from kvshare.step.batch import StepBatch
+from kvshare.step.state import StepState
+
+
+class RotaryEmbedding(Protocol):
+    """A RoPE table set as the layers use it (`layers.rope.RotaryEmbedding`; named here by its
+    methods, so the step package imports no model code)."""
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
+               inplace: bool = False) -> torch.Tensor: ...
+
+    def native_tables(self, positions: torch.Tensor) -> Any: ...
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 * `save_checkpoint(model_or_state_dict, cfg, out_dir, shard_bytes=None)`: ``config.json`` (HF style,
   read back by `ModelConfig.from_dict` to an equal config) + safetensors in the released naming
-  (`kvshare.model.loader.load_model` reads it back).
+  (`kvshare.weights.loader.load_model` reads it back).
 * `export_transformers(model_or_state_dict, cfg, out_dir, ...)`: a V4 checkpoint for transformers 5.23
   (its config.json, the names its `save_pretrained` writes); `kvshare convert --to transformers`.
 """
@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 
 from kvshare.config import ModelConfig
 from kvshare.errors import ConfigError
-from kvshare.model.checkpoint_files import INDEX_FILE, SINGLE_FILE
-from kvshare.model.hf_naming import (TRANSFORMERS_NAMINGS, is_transformers_naming, kvshare_to_transformers,
+from kvshare.weights.checkpoint_files import INDEX_FILE, SINGLE_FILE
+from kvshare.weights.hf_naming import (TRANSFORMERS_NAMINGS, is_transformers_naming, kvshare_to_transformers,
                                      transformers_config_dict, transformers_to_kvshare)
 
 #: the activation block each architecture assumes when ``quantization_config`` is absent

@@ -40,13 +40,13 @@ from torch.overrides import TorchFunctionMode
 
 from kvshare.config import ModelConfig, load_config
 from kvshare.errors import CheckpointError
-from kvshare.model import weights_quant as wq
-from kvshare.model.checkpoint_files import (INDEX_FILE, check_header_shapes, describe,
+from kvshare.weights import weights_quant as wq
+from kvshare.weights.checkpoint_files import (INDEX_FILE, check_header_shapes, describe,
                                            refuse_pickle_only, weight_files)
 from kvshare.model.engram_table import DEFAULT_TABLE_MODE, TableMode, is_table_name, open_tables
-from kvshare.model.checkpoint_stream import Entry, index_files, release_free_heap, stream_into
-from kvshare.model.checkpoint_stream import scale_owner as _scale_owner
-from kvshare.model.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
+from kvshare.weights.checkpoint_stream import Entry, index_files, release_free_heap, stream_into
+from kvshare.weights.checkpoint_stream import scale_owner as _scale_owner
+from kvshare.weights.hf_naming import NAMINGS, detect_naming, released_shapes, to_released
 
 if TYPE_CHECKING:
     from kvshare.model.deepseek import Transformer
