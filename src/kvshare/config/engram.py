@@ -11,12 +11,12 @@ The tokenizer-built compressed vocabulary is checked when the model gets its tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvshare.errors import ConfigError
 
-if TYPE_CHECKING:
-    from kvshare.config.model import ModelConfig
+#: `config.model.ModelConfig`, which imports this module: named, not imported (no import cycle, even type-only)
+ModelConfig = Any
 
 ROW_SCALE_BLOCK = 32
 MAX_HASH_COLUMNS = 1 << 16  # primes searched at config time; the release has 48

@@ -9,12 +9,12 @@ far above every released model (DeepSeek-V4-Pro: vocab 129,280, hidden 7,168, 61
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvshare.errors import ConfigError
 
-if TYPE_CHECKING:
-    from kvshare.config.model import ModelConfig
+#: `config.model.ModelConfig`, which imports this module: named, not imported (no import cycle, even type-only)
+ModelConfig = Any
 
 # field -> largest accepted value
 SIZE_LIMITS: dict[str, int] = {

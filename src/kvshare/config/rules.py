@@ -7,14 +7,14 @@ o_groups, one shared expert, ratios allowed for the architecture, draft entries 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvshare.config.engram import validate_engram
 from kvshare.config.limits import check_sizes
 from kvshare.errors import ConfigError
 
-if TYPE_CHECKING:
-    from kvshare.config.model import ModelConfig
+#: `config.model.ModelConfig`, which imports this module: named, not imported (no import cycle, even type-only)
+ModelConfig = Any
 
 V4_RATIOS = frozenset({0, 4, 128})
 V41_RATIOS = frozenset({0, 1, 2})

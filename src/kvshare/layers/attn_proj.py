@@ -41,8 +41,10 @@ from kvshare.layers.bound import BoundOp
 from kvshare.layers.choice import KernelChoice
 from kvshare.ops import invariant
 
+#: `model.attention.Attention`, which builds this layer: named, not imported (no import cycle)
+Attention = Any
+
 if TYPE_CHECKING:  # (kvshare.model imports this module: its functions are imported where used)
-    from kvshare.model.attention import Attention
     from kvshare.model.linear import Linear
     from kvshare.model.quantize import QuantMode
     from kvshare.model.rope import RotaryEmbedding

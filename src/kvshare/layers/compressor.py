@@ -42,8 +42,10 @@ from kvshare.layers.choice import KernelChoice
 from kvshare.ops import invariant
 from kvshare.precision import version_of, wide
 
+#: `model.compressor.Compressor`, which builds this layer: named, not imported (no import cycle)
+Compressor = Any
+
 if TYPE_CHECKING:
-    from kvshare.model.compressor import Compressor
     from kvshare.step.context import StepContext
 
 

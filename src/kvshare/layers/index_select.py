@@ -42,9 +42,11 @@ from kvshare.ops import block_scores, boundary_ties, candidate_block_mask, index
 from kvshare.ops.index_scores import candidate_scores, row_index_scores
 from kvshare.precision import wide
 
+#: `model.indexer.Indexer`, which builds this layer: named, not imported (no import cycle)
+Indexer = Any
+
 if TYPE_CHECKING:
     from kvshare.step.context import StepContext
-    from kvshare.model.indexer import Indexer
 
 
 class IndexSelect(Owned):
