@@ -26,7 +26,7 @@ from torch import nn
 
 from kvshare.kernels import attn_proj
 from kvshare.kernels import decode as native
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.kernels.packed import Packed
 from kvshare.model.linear import Linear
 from kvshare.model.quantize import QuantMode, fit_block

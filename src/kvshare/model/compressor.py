@@ -27,7 +27,7 @@ from torch import nn
 
 from kvshare import kernels
 from kvshare.kernels import decode as native
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.model.linear import plain_linear
 from kvshare.model.norm import RMSNorm
 from kvshare.ops import invariant

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvshare.kernels import attn_proj
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.model.attention_native import hook_dicts, hooked, pack_of, serves
 from kvshare.model.quantize import fit_block
 
