@@ -6,7 +6,10 @@ step through its prefill and first decode in eager mode; then the second engine'
 by ``torch.compile(model, backend=...)`` (AOT autograd with the eager backend: functionalisation of
 the ops that mutate, ``rope_`` / ``ring_store``, included) and both
 engines decode once more. The sampled logits rows must be bitwise equal and the traced graphs must
-hold the native ops (graph breaks are allowed, but the ops must not all fall outside the graphs).
+hold the native ops of every fused unit (graph breaks are allowed: ~20 frames break, on
+``tensor.is_inference()``, data-dependent reads, an RLock; and Dynamo 2.13 fails internally on
+``Parameter.__dict__`` in `ops/invariant.native_pack`, so the test runs with ``suppress_errors``: a frame
+Dynamo cannot compile runs eagerly and the frames it calls are compiled on their own).
 
 Mutation caught (run, then reverted; see the report of issue 34 item 4): the fake of ``mhc_leave``
 returning [T, D] instead of h's [T, hc, D] fails here (the traced shapes no longer fit).
@@ -51,12 +54,14 @@ def test_a_compiled_decode_forward_has_the_eager_bits() -> None:
     model = compiled.runner.model
     compiled.runner.model = torch.compile(model, backend=backend, dynamic=False)
     try:
+        with torch._dynamo.config.patch(suppress_errors=True):
+            compiled.step()
         eager.step()
-        compiled.step()
     finally:
         compiled.runner.model = model
         torch._dynamo.reset()
     assert want.keys() == got.keys() and len(want) == 1
     for key in want:
         assert torch.equal(want[key], got[key]), (key, (want[key] - got[key]).abs().max())
-    assert {"mhc_boundary", "attn_in", "attn_out", "moe_experts"} <= seen, seen
+    assert {"mhc_enter", "mhc_boundary", "mhc_leave", "mhc_head", "attn_in", "attn_out", "moe_gate", "moe_experts",
+            "index_topk", "rms_norm", "rope", "gemm"} <= seen, seen

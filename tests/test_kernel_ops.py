@@ -291,7 +291,7 @@ def test_a_build_says_when_it_starts_and_ends(monkeypatch: pytest.MonkeyPatch, c
 
     calls = []
     monkeypatch.setattr(ext, "load", lambda **kw: calls.append(kw["is_python_module"]))  # the library is loaded
-    monkeypatch.setattr(build, "_load_built", lambda *a: False)
+    monkeypatch.setattr(build, "_load_built", lambda *a: None)
     build.library.cache_clear()
     try:
         assert build.library() is torch.ops.kvshare and calls == [False]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.kernels import decode as native
-from kvshare.kernels.build import best_isa, library
+from kvshare.kernels.build import best_isa, loaded
 from kvshare.kernels.packed import FORMAT_ID, Packed
 
 _SWITCH: dict[str, bool | None] = {"on": None}
@@ -70,7 +70,7 @@ def pack_set(linears: list[Packed], watch: list[torch.Tensor]) -> ProjPacks | No
     """The pack set from the packs in `ProjPacks.tensors`' order and the tensors whose change makes
     it stale; None without the native library or when the packs take different activation dtypes."""
     dtypes = {p.act_dtype for p in linears}
-    if library() is None or not linears or len(dtypes) != 1:
+    if not loaded() or not linears or len(dtypes) != 1:
         return None
     tensors, meta = [], []
     for p in linears:

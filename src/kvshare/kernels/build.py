@@ -71,13 +71,13 @@ def source_hash() -> str:
 STALE_LOCK_S = 600
 
 
-def _load_built(build_dir: Path, name: str) -> bool:
-    """Load the already built library of this source hash into torch.ops (False if not built)."""
+def _load_built(build_dir: Path, name: str) -> Path | None:
+    """The already built library of this source hash, loaded into torch.ops (None if not built)."""
     so = build_dir / f"{name}.so"
     if not so.is_file() or (build_dir / "lock").exists():
-        return False
+        return None
     torch.ops.load_library(str(so))
-    return True
+    return so
 
 
 def _build(build_dir: Path, name: str) -> None:
@@ -119,7 +119,7 @@ def library() -> Any:
         name = f"kvshare_kernels_{key}"
         build_dir = cache_root() / f"torch{torch.__version__.replace('+', '_')}-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        if not _load_built(build_dir, name):  # built before: no ninja run, no build lock to wait on
+        if _load_built(build_dir, name) is None:  # built before: no ninja run, no build lock to wait on
             _clear_stale_lock(build_dir)
             _build(build_dir, name)
         from kvshare.kernels import fake_ops
@@ -132,9 +132,20 @@ def library() -> Any:
         return None
 
 
-@lru_cache(maxsize=1)
+@torch.compiler.assume_constant_result  # traced code takes the answer (Dynamo would trace the build and its hashing)
+def loaded() -> bool:
+    """Whether the library is built and loaded (`library()` is not None)."""
+    return library() is not None
+
+
+@torch.compiler.assume_constant_result  # (Dynamo traces through an lru_cache, so the mark sits on this function)
 def best_isa() -> str:
     """The code path used by default (see module doc): "amx", "avx512", "avx2" or "torch"."""
+    return _best_isa()
+
+
+@lru_cache(maxsize=1)
+def _best_isa() -> str:
     lib = library()
     if lib is None:
         return "torch"
@@ -149,6 +160,9 @@ def best_isa() -> str:
         return "avx2"
     log.warning("kvshare kernels: CPU has neither AVX-512 BF16 nor AVX2+FMA; using the pure-torch path")
     return "torch"
+
+
+best_isa.cache_clear = _best_isa.cache_clear  # type: ignore[attr-defined]
 
 
 def supported_isas() -> list[str]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.kernels.build import best_isa, library
+from kvshare.kernels.build import best_isa, loaded
 from kvshare.kernels.pack_memo import generation
 from kvshare.kernels.packed import FORMAT_ID, Packed
 
@@ -49,7 +49,7 @@ def pack_set(linears: list[tuple[Packed, torch.Tensor]]) -> LayerPacks | None:
     """The pack set of a layer from (pack, watched tensor) per linear, in the order of `LayerPacks.tensors`
     (w1, w3, w2 of experts 0..E-1, then of the shared expert); None without the native library or
     when the packs take different activation dtypes."""
-    if library() is None or len(linears) % 3 or len(linears) < 6:
+    if not loaded() or len(linears) % 3 or len(linears) < 6:
         return None
     tensors, meta = [], []
     for p, _ in linears:
