@@ -11,8 +11,11 @@ hold the native ops of every fused unit (graph breaks are allowed: ~20 frames br
 ``Parameter.__dict__`` in `ops/invariant.native_pack`, so the test runs with ``suppress_errors``: a frame
 Dynamo cannot compile runs eagerly and the frames it calls are compiled on their own).
 
-Mutation caught (run, then reverted; see the report of issue 34 item 4): the fake of ``mhc_leave``
-returning [T, D] instead of h's [T, hc, D] fails here (the traced shapes no longer fit).
+Mutation caught (run on a copy of the tree; see the report of issue 34 item 4): ``moe_experts`` without
+its fake implementation: Dynamo cannot trace the op, its frame runs eagerly and the assertion on the
+traced ops fails ("Extra items in the left set: 'moe_experts'"). Not caught: a wrong fake shape whose
+output leaves the graph at once (``mhc_leave`` [T, D], ``attn_in``'s q [T, d, H]): the real tensor is
+what the next graph sees; test_kernel_ops.py's opcheck is the test of every fake's shapes.
 """
 
 from __future__ import annotations
