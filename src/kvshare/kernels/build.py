@@ -85,7 +85,7 @@ def _build(build_dir: Path, name: str) -> None:
     with one line to stderr before and one after (the first run of an install waits minutes here)."""
     from torch.utils.cpp_extension import load
 
-    print(f"kvshare: building the native kernels in {build_dir} (once per install; 1-4 minutes)...",
+    print(f"kvshare: building the native kernels in {build_dir} (once per install and torch version; a few minutes)...",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
