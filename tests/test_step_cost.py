@@ -93,7 +93,7 @@ def test_outputs_are_snapshots_without_copying_the_prompt(model) -> None:
         assert o.prompt_token_ids is outs[0].prompt_token_ids and o.prompt_token_ids == prompt
 
 
-@pytest.mark.parametrize("invariant,bound", [(True, 1_480), (False, 9_077 // 2)])
+@pytest.mark.parametrize("invariant,bound", [(True, 1_450), (False, 9_077 // 2)])
 def test_torch_calls_per_decode_step_of_the_shipped_model_at_batch_4(invariant: bool, bound: int) -> None:
     """Issue 23's bound: at most half of the 9,077 torch calls the shipped model's decode step made at
     batch 4 before the step pipeline (counted as `benchmarks/step_cost.py calls` counts: every call
@@ -103,11 +103,14 @@ def test_torch_calls_per_decode_step_of_the_shipped_model_at_batch_4(invariant: 
     sublayer's mHC work in one native call (`kernels/mhc.py`; 2,463 with it off), 1,382 with
     attention's input and output projections in one native call each (`kernels/attn_proj.py`), 1,341
     with the indexer's query side, the MoE gate and the compressors' projection in one call each;
-    the bound is 10% above that. Mutations: `forward_scope` deciding nothing (every `serves` call
-    reading its tensors again) gives 3,541, dropping the native row codecs 3,613, the fused mHC
+    1,311 with every layer bound once (issue 34); the bound is 10% above that. Since the kernels are
+    torch ops their calls reach the TorchFunctionMode too: counted apart (`CallCounter.native`: 129 in
+    this step), not in these bounds. Mutations: `forward_scope` deciding nothing
+    (every `serves` call reading its tensors again) gives 3,541, dropping the native row codecs 3,613, the fused mHC
     calls off (``KVSHARE_NATIVE_MHC=off``) 2,463, the fused projections off
-    (``KVSHARE_NATIVE_ATTN_PROJ=off``) 1,942; all fail. Batched mode
-    (``batch_invariant=False``): 4,296 with RoPE's native rotation in every mode (5,023 without)."""
+    (``KVSHARE_NATIVE_ATTN_PROJ=off``) 1,942 (2,118 with the native calls counted); all fail. Batched mode
+    (``batch_invariant=False``): 4,296 with RoPE's native rotation in every mode (5,023 without), 4,524
+    with every layer bound once (issue 34; within 14 of the bound)."""
     from torch_calls import CallCounter
 
     from kvshare.kernels import decode as native

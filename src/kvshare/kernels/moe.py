@@ -15,8 +15,8 @@ stale when
 
 * a watched tensor (each dense weight, each packed weight's data) has another address, dtype or
   in-place version than at build time: checked in C++ on every call (`moe_stamps`);
-* a parameter or submodule was registered anywhere since the build (torch's global registration
-  hooks bump `_GENERATION`): a replaced ``weight`` Parameter, `Linear.set_packed`, a replaced expert.
+* a parameter or submodule was registered anywhere since the build (`pack_memo.generation`): a
+  replaced ``weight`` Parameter, `Linear.set_packed`, a replaced expert.
 
 The caller (`model/moe.py`) runs the torch path where the call does not apply (native decode
 kernels off, a weight the kernels do not serve, an activation dtype the packs do not take).
@@ -25,43 +25,12 @@ kernels off, a weight the kernels do not serve, an activation dtype the packs do
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
 import torch
-from torch import nn
 
-from kvshare.kernels.build import best_isa, library
+from kvshare.kernels.build import best_isa, loaded
+from kvshare.kernels.pack_memo import generation
 from kvshare.kernels.packed import FORMAT_ID, Packed
-
-T = TypeVar("T")
-
-_GENERATION = [0]  # bumped whenever any module registers a parameter or a submodule
-
-
-def _bump(*_args: object) -> None:
-    _GENERATION[0] += 1
-
-
-nn.modules.module.register_module_parameter_registration_hook(_bump)
-nn.modules.module.register_module_module_registration_hook(_bump)
-
-
-def generation() -> int:
-    """How many parameters and submodules were registered anywhere so far (a pack set built at one
-    generation is stale at a later one; `kernels.attn_proj` keys its packs on it too)."""
-    return _GENERATION[0]
-
-
-def per_generation(module: nn.Module, key: str, build: Callable[[], T]) -> T:
-    """`build()`, kept on `module` under `key` for the current `generation` (the answer None too) and
-    built again after any parameter or submodule registration."""
-    held = module.__dict__.get(key)
-    gen = _GENERATION[0]
-    if held is not None and held[0] == gen:
-        return held[1]
-    value = build()
-    module.__dict__[key] = (gen, value)
-    return value
 
 
 @dataclass(eq=False)
@@ -80,8 +49,7 @@ def pack_set(linears: list[tuple[Packed, torch.Tensor]]) -> LayerPacks | None:
     """The pack set of a layer from (pack, watched tensor) per linear, in the order of `LayerPacks.tensors`
     (w1, w3, w2 of experts 0..E-1, then of the shared expert); None without the native library or
     when the packs take different activation dtypes."""
-    lib = library()
-    if lib is None or len(linears) % 3 or len(linears) < 6:
+    if not loaded() or len(linears) % 3 or len(linears) < 6:
         return None
     tensors, meta = [], []
     for p, _ in linears:
@@ -91,14 +59,14 @@ def pack_set(linears: list[tuple[Packed, torch.Tensor]]) -> LayerPacks | None:
     if len(dtypes) != 1:
         return None
     watch = [w for _, w in linears]
-    return LayerPacks(tensors, torch.tensor(meta, dtype=torch.int64), watch, lib.moe_stamps(watch), dtypes.pop(),
-                      _GENERATION[0])
+    return LayerPacks(tensors, torch.tensor(meta, dtype=torch.int64), watch, torch.ops.kvshare.moe_stamps(watch),
+                      dtypes.pop(), generation())
 
 
 def fresh(packs: LayerPacks | None) -> bool:
     """Whether no parameter or submodule was registered anywhere since `packs` was built (the C++
     call checks the watched tensors themselves)."""
-    return packs is not None and packs.generation == _GENERATION[0]
+    return packs is not None and packs.generation == generation()
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packs: LayerPacks, limit: float,
@@ -107,5 +75,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packs: La
     routed to ids [T, k] (int64) with weights [T, k] (fp32), bitwise the torch path's (module doc).
     `x_block` / `h_block`: FP8 blocks of the w1 / w3 and the w2 inputs (0: no rounding). None when
     a watched weight changed since `packs` was built (rebuild them and call again)."""
-    return library().moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.tensors, packs.meta,
-                                 packs.watch, packs.stamps, float(limit), x_block, h_block, best_isa())
+    out = torch.ops.kvshare.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.tensors, packs.meta,
+                                        packs.watch, packs.stamps, float(limit), x_block, h_block, best_isa())
+    return out[0] if out else None

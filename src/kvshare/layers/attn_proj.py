@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from kvshare.kernels import attn_proj
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.kernels.packed import Packed
 from kvshare.layers.bound import BoundOp
 from kvshare.layers.choice import KernelChoice

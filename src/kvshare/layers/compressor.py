@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from kvshare import kernels
 from kvshare.kernels import decode as native
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.layers.attention import servable
 from kvshare.layers.attn_proj import Owned
 from kvshare.layers.bound import BoundOp

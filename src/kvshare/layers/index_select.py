@@ -34,7 +34,7 @@ import torch
 
 from kvshare.kernels import attn_proj
 from kvshare.kernels.attn import index_topk
-from kvshare.kernels.moe import per_generation
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.layers.attention import servable
 from kvshare.layers.attn_proj import Owned, hook_dicts, hooked, pack_of
 from kvshare.layers.choice import KernelChoice

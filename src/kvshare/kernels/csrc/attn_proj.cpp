@@ -1,5 +1,5 @@
 // Attention's input and output projections in one call each (see attn_proj.h). No arithmetic of
-// its own: packed_gemm, decode.cpp's rms_norm / rope and the FP8 rounding passed in, in the torch
+// its own: packed_gemm, decode.cpp's rms_norm / rope and fp8.h's FP8 rounding, in the torch
 // path's order, so its bits.
 #include "attn_proj.h"
 #include <cstring>
@@ -97,7 +97,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
                                                   const torch::Tensor& q_norm_w, const torch::Tensor& kv_norm_w,
                                                   double eps, const torch::Tensor& c, const torch::Tensor& s,
                                                   int64_t heads, bool head_norm, int64_t x_block, int64_t qr_block,
-                                                  const std::string& isa, FakeQuantFn quant) {
+                                                  const std::string& isa) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
               (x_in.scalar_type() == torch::kBFloat16 || x_in.scalar_type() == torch::kFloat32),
               kIn, ": x must be a bf16 / fp32 CPU tensor [T, D], got ", x_in.scalar_type(), " ", x_in.sizes());
@@ -117,7 +117,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
   check_block(x_block, dim, "x", kIn);
   check_block(qr_block, rank, "qr", kIn);
   const auto opt = x.options();
-  const auto xq = x_block ? quant(x, x_block) : x;
+  const auto xq = x_block ? fake_quant_fp8(x, x_block) : x;
   // wq_a and wkv read the same (rounded) rows, staged once (a weight's padding is fixed by its K)
   TORCH_CHECK(staged_width(wkv) == staged_width(wq_a), kIn, ": wq_a and wkv are padded differently");
   torch::Tensor holder;
@@ -126,7 +126,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
   packed_gemm(wq_a, xs, t, qr.data_ptr(), path);
   packed_gemm(wkv, xs, t, kv.data_ptr(), path);
   rms_norm(qr.data_ptr(), bf16, q_norm_w.data_ptr<float>(), t, rank, static_cast<float>(eps), bf16, qr.data_ptr());
-  const auto qrq = qr_block ? quant(qr, qr_block) : qr;
+  const auto qrq = qr_block ? fake_quant_fp8(qr, qr_block) : qr;
   auto q = linear_rows(wq_b, qrq.data_ptr(), rank, 0, t, opt, path);
   if (head_norm) rms_norm(q.data_ptr(), bf16, nullptr, t * heads, d, static_cast<float>(eps), bf16, q.data_ptr());
   rope(q.data_ptr(), bf16, c.data_ptr<float>(), s.data_ptr<float>(), t, heads, d, rd, q.data_ptr());
@@ -136,8 +136,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
 }
 
 c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set, const torch::Tensor& c,
-                                      const torch::Tensor& s, int64_t u_block, const std::string& isa,
-                                      FakeQuantFn quant) {
+                                      const torch::Tensor& s, int64_t u_block, const std::string& isa) {
   TORCH_CHECK(o.device().is_cpu() && o.dim() == 3 && o.is_contiguous() &&
               (o.scalar_type() == torch::kBFloat16 || o.scalar_type() == torch::kFloat32),
               kOut, ": o must be a contiguous bf16 / fp32 CPU tensor [T, H, d], got ", o.scalar_type(), " ", o.sizes());
@@ -157,23 +156,23 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set
   const int64_t rd = rope_dims(c, s, t, d, kOut);
   check_block(u_block, groups * rank, "u", kOut);
   const auto opt = o.options();
-  rope(o.data_ptr(), bf16, c.data_ptr<float>(), s.data_ptr<float>(), t, heads, d, rd, o.data_ptr());
+  auto ro = torch::empty({t, heads, d}, opt);  // o rotated back (into a new tensor: the op mutates nothing)
+  rope(o.data_ptr(), bf16, c.data_ptr<float>(), s.data_ptr<float>(), t, heads, d, rd, ro.data_ptr());
   auto u = torch::empty({t, groups * rank}, opt);
   const int64_t es = bf16 ? 2 : 4;
   for (int64_t g = 0; g < groups; ++g) {
-    const auto part = linear_rows(lin[3 + g], o.data_ptr(), width, g * per_group, t, opt, path);
+    const auto part = linear_rows(lin[3 + g], ro.data_ptr(), width, g * per_group, t, opt, path);
     const char* src = static_cast<const char*>(part.data_ptr());
     char* dst = static_cast<char*>(u.data_ptr()) + g * rank * es;
     for (int64_t r = 0; r < t; ++r) std::memcpy(dst + r * groups * rank * es, src + r * rank * es, rank * es);
   }
-  const auto uq = u_block ? quant(u, u_block) : u;
+  const auto uq = u_block ? fake_quant_fp8(u, u_block) : u;
   return linear_rows(wo_b, uq.data_ptr(), groups * rank, 0, t, opt, path);
 }
 
 c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in, const torch::Tensor& x_in,
                                                       const ProjSet& set, const torch::Tensor& c, const torch::Tensor& s,
-                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa,
-                                                      FakeQuantFn quant) {
+                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa) {
   for (const auto* t : {&qr_in, &x_in})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 &&
                 (t->scalar_type() == torch::kBFloat16 || t->scalar_type() == torch::kFloat32) &&
@@ -195,7 +194,7 @@ c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in
   const int64_t d = wq_b.n / heads, rd = rope_dims(c, s, t, d, kIdx);
   check_block(qr_block, rank, "qr", kIdx);
   const auto opt = qr.options();
-  const auto qrq = qr_block ? quant(qr, qr_block) : qr;
+  const auto qrq = qr_block ? fake_quant_fp8(qr, qr_block) : qr;
   auto q = linear_rows(wq_b, qrq.data_ptr(), rank, 0, t, opt, path);
   rope(q.data_ptr(), bf16, c.data_ptr<float>(), s.data_ptr<float>(), t, heads, d, rd, q.data_ptr());
   // the torch path's wide(weights_proj(x)) * scale: the same conversion and scalar product
@@ -204,3 +203,43 @@ c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+namespace {
+
+// The ops: `attn_in` / `attn_out` with the pack set's tensors as arguments; an empty list when stale.
+std::vector<torch::Tensor> attn_in_op(const torch::Tensor& x, at::TensorList packs, const torch::Tensor& meta,
+                                      at::TensorList watch, const torch::Tensor& stamps, const torch::Tensor& q_norm_w,
+                                      const torch::Tensor& kv_norm_w, double eps, const torch::Tensor& c,
+                                      const torch::Tensor& s, int64_t heads, bool head_norm, int64_t x_block,
+                                      int64_t qr_block, c10::string_view isa) {
+  auto out = attn_in(x, ProjSet{packs, meta, watch, stamps}, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,
+                     qr_block, std::string(isa));
+  return out.has_value() ? *out : std::vector<torch::Tensor>{};
+}
+
+std::vector<torch::Tensor> attn_out_op(const torch::Tensor& o, at::TensorList packs, const torch::Tensor& meta,
+                                       at::TensorList watch, const torch::Tensor& stamps, const torch::Tensor& c,
+                                       const torch::Tensor& s, int64_t u_block, int64_t out_dim, c10::string_view isa) {
+  auto y = attn_out(o, ProjSet{packs, meta, watch, stamps}, c, s, u_block, std::string(isa));
+  if (!y.has_value()) return {};
+  TORCH_CHECK(y->size(1) == out_dim, "kernels.attn_out: wo_b has ", y->size(1), " outputs, the call states ", out_dim);
+  return {*y};
+}
+
+}  // namespace
+}  // namespace kvshare_kernels
+
+TORCH_LIBRARY_FRAGMENT(kvshare, m) {
+  m.def("attn_in(Tensor x, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, Tensor q_norm_w, "
+        "Tensor kv_norm_w, float eps, Tensor c, Tensor s, int heads, bool head_norm, int x_block, int qr_block, "
+        "str isa) -> Tensor[]");
+  // out_dim (wo_b's outputs, checked) gives the result's width without reading `meta`
+  m.def("attn_out(Tensor o, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, Tensor c, Tensor s, "
+        "int u_block, int out_dim, str isa) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(kvshare, CPU, m) {
+  m.impl("attn_in", &kvshare_kernels::attn_in_op);
+  m.impl("attn_out", &kvshare_kernels::attn_out_op);
+}

@@ -2,15 +2,16 @@
 // composed of the existing kernels in the torch path's order, so the torch path's bits:
 //   attn_in:  x -> [FP8] -> wq_a -> q_norm = qr;  qr -> [FP8] -> wq_b -> (V4: per-head RMSNorm) -> RoPE = q;
 //             x -> [FP8] -> wkv -> kv_norm -> RoPE = kv
-//   attn_out: o -> inverse RoPE (in place) -> per group g: o[:, g] wo_a[g]^T -> u -> [FP8] -> wo_b
-// GEMMs: packed_gemm (binding.cpp `gemm`'s arithmetic); RMSNorm / RoPE: decode.h's `rms_norm` /
-// `rope`; [FP8]: binding.cpp's `fake_quant_fp8` (when the block is > 0). Every row is computed
+//   attn_out: o -> inverse RoPE (into a new tensor) -> per group g: o[:, g] wo_a[g]^T -> u -> [FP8] -> wo_b
+// GEMMs: packed_gemm (gemm_run.cpp `gemm`'s arithmetic); RMSNorm / RoPE: decode.h's `rms_norm` /
+// `rope`; [FP8]: fp8.h's `fake_quant_fp8` (when the block is > 0). Every row is computed
 // from its own inputs alone (row-invariant).
 #pragma once
 #include <torch/extension.h>
 #include <string>
 #include <vector>
-#include "moe.h"  // FakeQuantFn
+#include "fp8.h"
+#include "moe.h"  // moe_stamps
 
 namespace kvshare_kernels {
 
@@ -19,9 +20,9 @@ namespace kvshare_kernels {
 // wq_a, wq_b, wkv, wo_a group 0 .. G-1, wo_b. `watch` / `stamps`: moe.h's `moe_stamps` key; a
 // mismatch means a weight changed since the packs were made, and the calls return nothing.
 struct ProjSet {
-  const std::vector<torch::Tensor>& packs;
+  at::TensorList packs;
   const torch::Tensor& meta;
-  const std::vector<torch::Tensor>& watch;
+  at::TensorList watch;
   const torch::Tensor& stamps;
 };
 
@@ -32,14 +33,13 @@ struct ProjSet {
 c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x, const ProjSet& set, const torch::Tensor& q_norm_w,
                                    const torch::Tensor& kv_norm_w, double eps, const torch::Tensor& c,
                                    const torch::Tensor& s, int64_t heads, bool head_norm, int64_t x_block,
-                                   int64_t qr_block, const std::string& isa, FakeQuantFn quant);
+                                   int64_t qr_block, const std::string& isa);
 
-// [T, D] in o's dtype for the attention output o [T, H, d] (contiguous; rotated in place by the
+// [T, D] in o's dtype for the attention output o [T, H, d] (contiguous, left as it is; rotated by the
 // tables c, s [T, rd] fp32 — the inverse rotation's (C, -S)); u_block: FP8 block of wo_b's input
 // (0: none). nullopt when stale.
 c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set, const torch::Tensor& c,
-                                      const torch::Tensor& s, int64_t u_block, const std::string& isa,
-                                      FakeQuantFn quant);
+                                      const torch::Tensor& s, int64_t u_block, const std::string& isa);
 
 // The lightning indexer's query side (model/indexer.py `Indexer.select`), the torch path's bits:
 // q = RoPE(wq_b([FP8] qr)) in qr's dtype, returned in fp32 [T, H, d]; w = fp32(weights_proj(x)) * scale
@@ -47,7 +47,6 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set
 // the positions' RoPE tables. nullopt when stale.
 c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr, const torch::Tensor& x,
                                                       const ProjSet& set, const torch::Tensor& c, const torch::Tensor& s,
-                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa,
-                                                      FakeQuantFn quant);
+                                                      int64_t heads, double scale, int64_t qr_block, const std::string& isa);
 
 }  // namespace kvshare_kernels

@@ -2,7 +2,7 @@
 // decode.cpp's mhc_post for `pre`), no arithmetic of its own: the steps are decode.cpp's and the
 // GEMM kernels' functions, called in model/mhc.py's order on the same buffers.
 //
-// The mix GEMM runs its output groups on the calling thread: binding.cpp's `gemm` splits groups
+// The mix GEMM runs its output groups on the calling thread: gemm_run.cpp's `gemm` splits groups
 // over threads, but each output is computed by exactly one thread whatever the split, so the bits
 // are the same (and at hc 4 the 24 outputs are two groups: one unit of that split anyway).
 #pragma GCC target("avx2,fma,f16c")
@@ -17,7 +17,7 @@ extern "C" __m256 Sleef_expf8_u10(__m256);
 namespace kvshare_kernels {
 namespace {
 
-// m [T][mix.n] = normed [T][K] fn^T (FMT_FP32, as binding.cpp's `gemm` with kp = K, no scale block).
+// m [T][mix.n] = normed [T][K] fn^T (FMT_FP32, as gemm_run.cpp's `gemm` with kp = K, no scale block).
 void mix_gemm(const MhcMix& mix, const float* normed, int64_t T, int64_t K, float* m, int isa) {
   const int64_t nb = (mix.n + 15) / 16;
   GemmArgs a{FMT_FP32, normed, mix.fn, nullptr, m, T, mix.n, K, K, 0, 0, nb, 0, 0};

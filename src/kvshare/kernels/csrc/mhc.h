@@ -1,9 +1,9 @@
 // A sublayer's mHC work in one call (mhc.cpp, kernels/mhc.py): the calls model/mhc.py makes one by
 // one in a batch-invariant native forward, composed in the same order with the same functions:
 // decode.h's rms_norm / mhc_post / mhc_collapse / mhc_expand and the fp32 mix GEMM of gemm.h as
-// `kernels.linear` runs it (binding.cpp `gemm`: FMT_FP32 activations used in place; gemm_avx512
+// `kernels.linear` runs it (gemm_run.cpp `gemm`: FMT_FP32 activations used in place; gemm_avx512
 // for "amx" / "avx512", gemm_avx2 for "avx2"). So every output has the bits of those calls, and each
-// row depends on its own inputs only (row-invariant). No torch here: the binding allocates.
+// row depends on its own inputs only (row-invariant). No torch here: mhc_ops.cpp allocates.
 #pragma once
 #include <stdint.h>
 

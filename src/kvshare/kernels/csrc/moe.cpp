@@ -3,7 +3,7 @@
 // group's rows in slot order), the routed groups in increasing expert id, then the shared expert
 // on every token; each group runs its GEMMs right after gathering its rows (its activations stay
 // in cache). No arithmetic of its own: the GEMMs are gemm_amx / gemm_avx512 / gemm_avx2, the
-// SwiGLU and combine decode.cpp's, the FP8 rounding binding.cpp's, so every bit matches the torch
+// SwiGLU and combine decode.cpp's, the FP8 rounding fp8.cpp's, so every bit matches the torch
 // path's per-expert calls, and each row's result depends on that row alone.
 #include "moe.h"
 #include <ATen/Parallel.h>
@@ -30,7 +30,7 @@ int64_t dtype_code(const torch::Tensor& t) { return static_cast<int64_t>(t.scala
 
 }  // namespace
 
-torch::Tensor moe_stamps(const std::vector<torch::Tensor>& watch) {
+torch::Tensor moe_stamps(at::TensorList watch) {
   auto out = torch::empty({static_cast<int64_t>(watch.size()), 3}, torch::kInt64);
   auto* o = out.data_ptr<int64_t>();
   for (size_t i = 0; i < watch.size(); ++i) {
@@ -43,10 +43,9 @@ torch::Tensor moe_stamps(const std::vector<torch::Tensor>& watch) {
 }
 
 c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                                         const std::vector<torch::Tensor>& packs, const torch::Tensor& meta,
-                                         const std::vector<torch::Tensor>& watch, const torch::Tensor& stamps,
-                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa,
-                                         FakeQuantFn quant) {
+                                         at::TensorList packs, const torch::Tensor& meta,
+                                         at::TensorList watch, const torch::Tensor& stamps,
+                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa) {
   // ---- the pack set is still the layer's weights ----
   TORCH_CHECK(stamps.scalar_type() == torch::kInt64 && stamps.is_contiguous() &&
               stamps.numel() == 3 * static_cast<int64_t>(watch.size()),
@@ -111,7 +110,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
   auto* sp = sel.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s) sp[fill[idp[s]]++] = s;
   // ---- per group: gather, w1 / w3, SwiGLU x weight, (FP8), w2 into its rows of `out` ----
-  torch::Tensor xq = x_block ? quant(x, x_block) : x;
+  torch::Tensor xq = x_block ? fake_quant_fp8(x, x_block) : x;
   const char* xs = static_cast<const char*>(xq.data_ptr());
   const auto* wp = weights.data_ptr<float>();
   auto out = torch::empty({S + T, D}, x.options());
@@ -144,7 +143,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
     swiglu(gate.data_ptr(), up.data_ptr(), bf16 ? 1 : 0, gw.data(), m, I, static_cast<float>(limit), hidden.data_ptr());
     if (h_block) {
       TORCH_CHECK(I % h_block == 0, "kernels.moe_experts: FP8 block ", h_block, " does not divide the expert width ", I);
-      hidden = quant(hidden, h_block);
+      hidden = fake_quant_fp8(hidden, h_block);
     }
     const int64_t kph = bf16 ? w2.kp : I;
     const int64_t rows_h = m;
@@ -163,3 +162,33 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
 }
 
 }  // namespace kvshare_kernels
+
+namespace kvshare_kernels {
+namespace {
+
+// The op: `moe_experts`' result as a list, empty when the pack set is stale.
+std::vector<torch::Tensor> moe_experts_op(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
+                                          at::TensorList packs, const torch::Tensor& meta, at::TensorList watch,
+                                          const torch::Tensor& stamps, double limit, int64_t x_block, int64_t h_block,
+                                          c10::string_view isa) {
+  auto y = moe_experts(x, ids, weights, packs, meta, watch, stamps, limit, x_block, h_block, std::string(isa));
+  if (!y.has_value()) return {};
+  return {*y};
+}
+
+}  // namespace
+}  // namespace kvshare_kernels
+
+TORCH_LIBRARY_FRAGMENT(kvshare, m) {
+  m.def("moe_stamps(Tensor[] watch) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, "
+        "float limit, int x_block, int h_block, str isa) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(kvshare, CompositeExplicitAutograd, m) {
+  m.impl("moe_stamps", &kvshare_kernels::moe_stamps);  // reads addresses and versions: any device
+}
+
+TORCH_LIBRARY_IMPL(kvshare, CPU, m) {
+  m.impl("moe_experts", &kvshare_kernels::moe_experts_op);
+}

@@ -1,25 +1,23 @@
 // A MoE layer's experts in one call (moe.cpp, model/moe.py): rows grouped per expert, each group's
 // w1 / w3 GEMMs, SwiGLU with the routing weight, w2 GEMM, then the per-token combine, with the same
-// GEMM functions, padding and ISA rule as `kernels.linear` (binding.cpp `gemm`), the same SwiGLU
+// GEMM functions, padding and ISA rule as `kernels.linear` (gemm_run.cpp `gemm`), the same SwiGLU
 // and combine as `swiglu` / `moe_combine` (decode.h), so the result has the bits of the torch +
 // per-expert-kernel path. Every row is computed from its own inputs: row-invariant.
 #pragma once
 #include <torch/extension.h>
 #include <string>
 #include <vector>
+#include "fp8.h"
 #include "packed_gemm.h"
 
 namespace kvshare_kernels {
-
-// The FP8 e4m3 quantise-dequantise of GEMM inputs (binding.cpp `fake_quant_fp8`: the one copy).
-using FakeQuantFn = torch::Tensor (*)(torch::Tensor, int64_t);
 
 // Number of int64 fields per linear in `meta`: fmt, n, k, kp, bk, group_exps (packed_gemm.h's layout).
 constexpr int64_t MOE_META = PACKED_META;
 
 // (data_ptr, version (-1 for an inference tensor), dtype) of each tensor, [L, 3] int64: the stamps
 // a layer's pack set is valid for.
-torch::Tensor moe_stamps(const std::vector<torch::Tensor>& watch);
+torch::Tensor moe_stamps(at::TensorList watch);
 
 // The experts of one MoE layer for tokens x [T, D] (bf16 or fp32, contiguous): ids [T, k] int64 in
 // [0, E), weights [T, k] fp32. Linear l = 3 e + (0: w1, 1: w3, 2: w2) for e < E routed experts and
@@ -28,9 +26,8 @@ torch::Tensor moe_stamps(const std::vector<torch::Tensor>& watch);
 // in blocks of that many values; 0: no rounding. Returns [T, D] in x's dtype, or None when `watch`
 // no longer matches `stamps` (a weight was replaced or edited: the caller repacks).
 c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                                         const std::vector<torch::Tensor>& packs, const torch::Tensor& meta,
-                                         const std::vector<torch::Tensor>& watch, const torch::Tensor& stamps,
-                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa,
-                                         FakeQuantFn quant);
+                                         at::TensorList packs, const torch::Tensor& meta,
+                                         at::TensorList watch, const torch::Tensor& stamps,
+                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa);
 
 }  // namespace kvshare_kernels

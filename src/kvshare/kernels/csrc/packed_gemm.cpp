@@ -1,4 +1,4 @@
-// See packed_gemm.h. The checks and the thread split are binding.cpp `gemm`'s.
+// See packed_gemm.h. The checks and the thread split are gemm_run.cpp `gemm`'s.
 #include "packed_gemm.h"
 #include <ATen/Parallel.h>
 

@@ -1,4 +1,4 @@
-// One packed weight's GEMM exactly as binding.cpp's `gemm` runs it (for kernels that chain GEMMs
+// One packed weight's GEMM exactly as gemm_run.cpp's `gemm` runs it (for kernels that chain GEMMs
 // inside one call): the same GemmArgs, ISA rule (AMX where the weight's K and scale blocks fit whole
 // tiles, a property of the weight, never of the row count), zero padding of bf16 rows to KP, and
 // split of output groups over threads (each output by one thread), so the same bits.
@@ -26,7 +26,7 @@ enum class GemmPath { AMX, AVX512, AVX2 };
 // "amx" | "avx512" | "avx2" (kernels.build.best_isa); anything else is refused naming `who`.
 GemmPath gemm_path(const std::string& isa, const char* who);
 
-// Linear i from meta row i and its tensors (data, exps), after the checks binding.cpp's `gemm`
+// Linear i from meta row i and its tensors (data, exps), after the checks gemm_run.cpp's `gemm`
 // makes on them (format, padded K, scale block, byte and exponent counts); errors name `who`.
 PackedLin packed_lin(const int64_t* meta_row, const torch::Tensor& data, const torch::Tensor& exps, const char* who,
                      int64_t i);

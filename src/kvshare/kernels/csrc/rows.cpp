@@ -237,7 +237,7 @@ torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64
 // Ring rows stored as their values' bytes: for each ring i and kept row j, the bytes of
 // values[i][tokens[j]] become row row[j] of slot slot[j] of rings[i] (what `Ring.write` stores for a
 // plain encoding, `pack` being a byte copy there). Every index is checked before anything is written.
-void ring_store(const std::vector<torch::Tensor>& rings, const std::vector<torch::Tensor>& values,
+void ring_store(at::TensorList rings, at::TensorList values,
                 const torch::Tensor& tokens, const torch::Tensor& slot, const torch::Tensor& row) {
   TORCH_CHECK(rings.size() == values.size(), "kernels.ring_store: ", rings.size(), " rings for ", values.size(),
               " value tensors");
@@ -277,3 +277,17 @@ void ring_store(const std::vector<torch::Tensor>& rings, const std::vector<torch
 }
 
 }  // namespace kvshare_kernels
+
+TORCH_LIBRARY_FRAGMENT(kvshare, m) {
+  m.def("fake_quant_fp4(Tensor x, int block, bool ue8m0) -> Tensor");
+  m.def("pack_rows(Tensor x, int scheme, int block, int rope_dim, int row_bytes) -> Tensor");
+  m.def("unpack_rows(Tensor u8, int scheme, int block, int dim, int rope_dim, ScalarType out_dtype) -> Tensor");
+  m.def("ring_store(Tensor(a!)[] rings, Tensor[] values, Tensor tokens, Tensor slot, Tensor row) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvshare, CPU, m) {
+  m.impl("fake_quant_fp4", &kvshare_kernels::fake_quant_fp4);
+  m.impl("pack_rows", &kvshare_kernels::pack_rows);
+  m.impl("unpack_rows", &kvshare_kernels::unpack_rows);
+  m.impl("ring_store", &kvshare_kernels::ring_store);
+}

@@ -1,4 +1,4 @@
-// Cache row codecs and the FP4 quantise-dequantise (rows.cpp), declared for the binding.
+// Cache row codecs and the FP4 quantise-dequantise (rows.cpp, which registers them as torch ops).
 #pragma once
 #include <torch/extension.h>
 #include <vector>
@@ -17,7 +17,7 @@ torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64
                           torch::ScalarType out_dtype);
 // Ring.write for plain encodings: the bytes of values[i][tokens[j]] -> rings[i][slot[j], row[j]] for
 // every ring i and kept row j (a ring row holds exactly one value row's bytes).
-void ring_store(const std::vector<torch::Tensor>& rings, const std::vector<torch::Tensor>& values,
+void ring_store(at::TensorList rings, at::TensorList values,
                 const torch::Tensor& tokens, const torch::Tensor& slot, const torch::Tensor& row);
 
 }  // namespace kvshare_kernels
