@@ -184,16 +184,16 @@ def _invoke_rules(i: int, fn: dict[str, Any], shared: dict[str, str]) -> list[st
 
 def _extra_rules(i: int, listed: list[str], extra: Any, defs: dict[str, Any], shared: dict[str, str]) -> list[str]:
     """Rule `t{i}x`: one unlisted parameter (a name none of `listed` has), valued by `extra`'s schema."""
-    name_rx = r"[A-Za-z0-9_.\-]{1,64}"
+    name_rx = r"/[A-Za-z0-9_.\-]{1,64}/"
     if listed:
-        name_rx = f"({name_rx}) & ~({'|'.join(re.escape(n).replace('/', chr(92) + '/') for n in listed)})"
+        name_rx += f" & ~/({'|'.join(re.escape(n).replace('/', chr(92) + '/') for n in listed)})/"
     head = _lit(f'<{DSML}parameter name="')
     sub = extra if isinstance(extra, dict) else {}
     json_value = f"%json {json.dumps(closed({**defs, **sub}))} {_lit(_PARAM_END)}"
     alts = [f'{_lit(chr(34) + " string=" + chr(34) + "false" + chr(34) + ">")} {json_value}']
     if not isinstance(extra, dict):
         alts.append(f'{_lit(chr(34) + " string=" + chr(34) + "true" + chr(34) + ">")} {_raw_rule({}, shared)}')
-    return [f"t{i}x: {head} T{i}XNAME ({' | '.join(alts)}) {_lit(chr(10))}", f"T{i}XNAME: /{name_rx}/"]
+    return [f"t{i}x: {head} T{i}XNAME ({' | '.join(alts)}) {_lit(chr(10))}", f"T{i}XNAME: {name_rx}"]
 
 
 def tool_grammar(tools: list[dict[str, Any]], name: str | None = None, *, parallel: bool = True,
