@@ -129,7 +129,7 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             params = _sampling_params(state, req, max_tokens, max(len(p[0]) for p in prompts), "prompt")
             echo_lps = req.echo and req.logprobs is not None
             if echo_lps or req.prompt_logprobs is not None:  # echo needs the prompt tokens' logprobs
-                params.prompt_logprobs = (max(req.logprobs or 0, req.prompt_logprobs or 0) if echo_lps
+                params.prompt_logprobs = (max(req.num_logprobs or 0, req.prompt_logprobs or 0) if echo_lps
                                           else req.prompt_logprobs)
             options = ReplyOptions(logprobs=req.num_logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
