@@ -84,8 +84,8 @@ def _tp_tokens() -> tuple[list[int], list[int], LLM]:
 
 
 def test_tp_llm_closed_dropped_and_recreated_in_one_process() -> None:
-    """Mutation caught: `LLM.shutdown` not stopping the engine (second LLM: "trying to initialize the
-    default process group twice"), and the finalizer removed (the dropped LLM keeps its group)."""
+    """Mutation caught: the finalizer that `shutdown` and garbage collection run not stopping the engine
+    (the workers stay alive; a second group would then fail to initialise)."""
     first, pids1, llm = _tp_tokens()
     llm.shutdown()
     assert llm.closed and not any(_alive(p) for p in pids1)
