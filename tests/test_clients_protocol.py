@@ -114,3 +114,21 @@ def test_openai_sdk_sends_name(server: BackgroundServer) -> None:
                                        max_tokens=2)
     assert r.choices[0].finish_reason == "length"
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools.0.function.parameters.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": 'f"><x', "arguments": "{}"}}]}]},
+     "messages.0.tool_calls.0.function.name"),
+])
+def test_bad_tools_are_one_line_400s(server: BackgroundServer, body: dict, param: str) -> None:
+    r = chat(server, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "\n" not in r.json()["error"]["message"]
