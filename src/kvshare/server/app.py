@@ -34,7 +34,7 @@ from kvshare.server.generation import Job, ServerState, admit, generate
 from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
 from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvshare.server.replies import ModelCard, ModelList
+from kvshare.server.replies import ErrorResponse, ModelCard, ModelList
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
 from kvshare.server.tool_calls import DSML_FORMAT
@@ -101,12 +101,13 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     async def models() -> dict[str, Any]:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse,
+                                                            "description": "No such model is served here."}})
     async def model(model_id: str) -> Response:
         _check_model(state, model_id)
         return JSONResponse(ModelCard(id=model_name, max_model_len=max_model_len).model_dump())
 
-    @app.api_route("/v1/responses", methods=["GET", "POST"])
+    @app.api_route("/v1/responses", methods=["GET", "POST"], include_in_schema=False)  # a 404 that says why
     async def responses_api() -> Response:
         return APIError(404, "the Responses API (/v1/responses) is not served; this server serves "
                              "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
