@@ -107,6 +107,8 @@ def test_modes_and_parallel(so: Any) -> None:
     assert not accepts(so, tool_grammar(TOOLS), "Sure.\n" + two)  # required: the block comes first
     assert not accepts(so, tool_grammar(TOOLS), BLOCK_START + "\n" + BLOCK_END)  # and calls something
     assert not accepts(so, tool_grammar(TOOLS, auto=True), "x\n" + two + "trailing")  # nothing after the block
+    padded = block(GOOD).replace('{"zip": "75001"', '{"zip":  \n "75001"')  # JSON values have no free whitespace
+    assert padded != block(GOOD) and not accepts(so, tool_grammar(TOOLS), padded)
 
 
 def test_refs_into_defs_resolve(so: Any) -> None:
