@@ -46,6 +46,9 @@ _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 _PARAM_END = f"</{DSML}parameter>"
 # a raw string value: any text, ended lazily by the parameter's closing tag (which the rule consumes)
 _RAW_RULE = "raw_value{n}[suffix=" + json.dumps(_PARAM_END, ensure_ascii=False) + "]: /(?s:.{bounds})/"
+# JSON values are written as the prompt renders them (json.dumps' separators) with no other whitespace:
+# llguidance's default (flexible whitespace) lets a model pad a value without end
+_JSON_FORMAT = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 _ANNOTATIONS = {"description", "title", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
 
 
@@ -140,8 +143,9 @@ def _raw_choices(s: dict[str, Any]) -> list[str] | None:
 
 
 def _json_value(sub: Any, defs: dict[str, Any]) -> str:
+    """A JSON value under `sub` and the parameter's closing tag."""
     schema = closed({**defs, **sub} if isinstance(sub, dict) else {} if sub is True else {"not": {}})
-    return f"%json {json.dumps(schema)} {_lit(_PARAM_END)}"
+    return f"%json {json.dumps({**schema, **_JSON_FORMAT})} {_lit(_PARAM_END)}"
 
 
 def _value(name: str, sub: Any, defs: dict[str, Any], shared: dict[str, str]) -> str:
@@ -189,7 +193,7 @@ def _extra_rules(i: int, listed: list[str], extra: Any, defs: dict[str, Any], sh
         name_rx += f" & ~/({'|'.join(re.escape(n).replace('/', chr(92) + '/') for n in listed)})/"
     head = _lit(f'<{DSML}parameter name="')
     sub = extra if isinstance(extra, dict) else {}
-    json_value = f"%json {json.dumps(closed({**defs, **sub}))} {_lit(_PARAM_END)}"
+    json_value = _json_value(sub, defs)
     alts = [f'{_lit(chr(34) + " string=" + chr(34) + "false" + chr(34) + ">")} {json_value}']
     if not isinstance(extra, dict):
         alts.append(f'{_lit(chr(34) + " string=" + chr(34) + "true" + chr(34) + ">")} {_raw_rule({}, shared)}')
