@@ -33,8 +33,10 @@ CALLS_TEXT = (f"Let me check.\n{BLOCK_START}\n"
               f'<{DSML}parameter name="zones" string="false">["UTC", "CET"]</{DSML}parameter>\n'
               f"</{DSML}invoke>\n{BLOCK_END}")
 WANT = [("get_weather", {"city": 'Paris "centre"', "days": 3}), ("get_time", {"zones": ["UTC", "CET"]})]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "get_time", "description": "the time"}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "description": "the time", "parameters": {
+             "type": "object", "properties": {"zones": {"type": "array", "items": {"type": "string"}}}}}}]
 
 
 def calls_of(calls: list[Any]) -> list[tuple[str, Any]]:
@@ -140,6 +142,9 @@ def test_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=600,
                                        temperature=0)
     assert r.choices[0].message.content == CALLS_TEXT and not r.choices[0].message.tool_calls
+    # parallel_tool_calls false: the grammar allows one invoke (the scripted sampler bypasses the mask, so its
+    # script must be one call; test_tool_grammar shows the grammar refusing a second)
+    SCRIPT["text"] = CALLS_TEXT[:CALLS_TEXT.index(f'<{DSML}invoke name="get_time"')] + BLOCK_END
     r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, parallel_tool_calls=False,
                                        max_tokens=600, temperature=0)
     assert calls_of(r.choices[0].message.tool_calls) == WANT[:1]
@@ -177,7 +182,7 @@ def test_tool_choice_grammar_allows_only_a_call_block() -> None:
     from kvshare.engine.structured import StructuredOutputs
     from kvshare.engine.structured_spec import StructuredSpec
     from kvshare.errors import RequestError  # noqa: F401
-    from kvshare.server.tool_calls import tool_grammar
+    from kvshare.server.tool_grammar import tool_grammar
 
     block = CALLS_TEXT[CALLS_TEXT.index(BLOCK_START):]
     only_time = render_tool_calls([{"function": {"name": "get_time", "arguments": '{"zones": ["UTC"]}'}}])
@@ -209,11 +214,11 @@ def test_tool_choice_required_and_named_over_http(client: openai.OpenAI) -> None
 
 @pytest.mark.parametrize("body,param", [
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]}, "tools.0"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]}, "tools.0.function.bogus"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": {"thinking": True}}, "tool_choice"),
     ({"chat_template_kwargs": {"temperature": 1}}, "chat_template_kwargs.temperature"),
-    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0"),
+    ({"messages": [{"role": "user two", "content": "x"}]}, "messages.0.role"),
 ])
 def test_tool_fields_refused(server: BackgroundServer, body: dict, param: str) -> None:
     r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, **body})

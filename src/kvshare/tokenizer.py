@@ -45,6 +45,19 @@ class IncrementalDecoder(Protocol):
         ...
 
 
+class ToolFormat(Protocol):
+    """How a template without tool syntax of its own writes tools (the server's DSML format,
+    `server/tool_calls.DSML_FORMAT`): the tokenizer renders no tool syntax itself."""
+
+    def section(self, tools: list[dict]) -> str:
+        """The tools section appended to the first system message."""
+        ...
+
+    def calls(self, tool_calls: list[dict]) -> str:
+        """An assistant turn's `tool_calls`, written after its content."""
+        ...
+
+
 class Tokenizer(Protocol):
     """What every tokenizer kvshare loads offers."""
 
@@ -129,18 +142,22 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, thinking: bool = False) -> str:
-        """The built-in template: `<|role|>` line, the content, a newline, per message.
+                    tools: list[dict] | None = None, thinking: bool = False,
+                    tool_format: ToolFormat | None = None) -> str:
+        """The built-in template: `<|role|>` line, the content, a newline, per message (a message's
+        `name` has no place in it and is not shown).
 
-        With `tools`, their section (`server/tool_calls.render_tools`) ends the first system message
-        (one is added in front when there is none); an assistant turn's `tool_calls` follow its
-        content as a DSML block. `thinking`: the generation prompt ends with `<think>` (DeepSeek-V4's
-        thinking mode), and earlier assistant turns' reasoning is not shown, as in V4."""
+        With `tools`, their section (`tool_format.section`) ends the first system message (one is
+        added in front when there is none); an assistant turn's `tool_calls` follow its content as
+        `tool_format.calls` writes them; either without a `tool_format` is a ValueError. `thinking`:
+        the generation prompt ends with `<think>` (DeepSeek-V4's thinking mode), and earlier
+        assistant turns' reasoning is not shown, as in V4."""
         msgs = [dict(m) for m in messages]
+        if (tools or any(m.get("tool_calls") for m in msgs)) and tool_format is None:
+            raise ValueError("the built-in chat template writes tools and tool calls only with a tool format "
+                             "(the server's DSML format)")
         if tools:
-            from kvshare.server.tool_calls import render_tools
-
-            section = render_tools(tools)
+            section = tool_format.section(tools)  # type: ignore[union-attr]
             first = next((m for m in msgs if m["role"] == "system"), None)
             if first is None:
                 msgs.insert(0, {"role": "system", "content": section})
@@ -150,9 +167,7 @@ class ByteTokenizer:
         for m in msgs:
             content = str(m.get("content") or "")
             if m.get("tool_calls"):
-                from kvshare.server.tool_calls import render_tool_calls
-
-                content = (content + "\n" if content else "") + render_tool_calls(m["tool_calls"])  # type: ignore[arg-type]
+                content = (content + "\n" if content else "") + tool_format.calls(m["tool_calls"])  # type: ignore[union-attr, arg-type]
             parts.append(_BYTE_ROLE_HEADER.format(role=m["role"]) + content + _BYTE_TURN_END)
         if add_generation_prompt:
             parts.append(_BYTE_ROLE_HEADER.format(role="assistant") + ("<think>" if thinking else ""))
@@ -160,10 +175,10 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True,
-        tools: list[dict] | None = None, thinking: bool = False,
+        tools: list[dict] | None = None, thinking: bool = False, tool_format: ToolFormat | None = None,
     ) -> list[int] | str:
         """Render the conversation; ids start with bos when `tokenize`."""
-        text = self.render_chat(messages, add_generation_prompt, tools, thinking)
+        text = self.render_chat(messages, add_generation_prompt, tools, thinking, tool_format)
         return self.encode(text, add_bos=True) if tokenize else text
 
     def incremental_decoder(self) -> IncrementalDecoder:
@@ -295,14 +310,15 @@ class HFTokenizer:
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True,
-        tools: list[dict] | None = None, thinking: bool = False,
+        tools: list[dict] | None = None, thinking: bool = False, tool_format: ToolFormat | None = None,
     ) -> list[int] | str:
         """Render with the model's jinja2 template, or the byte tokenizer's format when it has none.
 
         `tools` and `thinking` reach a jinja template as the variables `tools`, `thinking` and
-        `enable_thinking`; a template that never reads them cannot honour them (ValueError)."""
+        `enable_thinking`; a template that never reads them cannot honour them (ValueError).
+        `tool_format` serves the built-in format only (a jinja template writes its own tool syntax)."""
         if self.chat_template is None:
-            text = ByteTokenizer().render_chat(messages, add_generation_prompt, tools, thinking)
+            text = ByteTokenizer().render_chat(messages, add_generation_prompt, tools, thinking, tool_format)
             return self.encode(text, add_bos=True) if tokenize else text
         if tools and "tools" not in self.chat_template:
             raise ValueError("this model's chat template does not render tools")
@@ -375,24 +391,39 @@ def load_tokenizer(model_dir_or_name: str | Path) -> Tokenizer:
     """The tokenizer of a model directory, shipped model or shipped config name.
 
     A directory with `tokenizer.json` gets an `HFTokenizer`, unless the file is the byte tokenizer's
-    (`is_byte_level`); anything else a `ByteTokenizer` sized from the model config
-    (its vocab_size, bos and eos ids) when one can be found.
+    (`is_byte_level`); anything else a `ByteTokenizer` sized from the model config's JSON
+    (its vocab_size, bos and eos ids) when one can be found (`_config_fields`).
     """
     name = str(model_dir_or_name)
     d = _model_dir(name)
     if d is not None and (d / "tokenizer.json").is_file():
         if not is_byte_level(d / "tokenizer.json"):  # the byte tokenizer's own file: keep the built-in one
             return HFTokenizer(d)
-    try:
-        from kvshare.config import load_config
-
-        cfg = load_config(name)
-    except Exception:  # no readable config: the default byte vocabulary
+    raw = _config_fields(name)
+    vocab = raw.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool):  # no readable config: the default byte vocabulary
         return ByteTokenizer()
-    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
-    if cfg.vocab_size < 256:
+    if vocab < 256:
         raise ValueError(
-            f"model {name!r} has vocab_size {cfg.vocab_size} and no tokenizer.json; "
+            f"model {name!r} has vocab_size {vocab} and no tokenizer.json; "
             "put a tokenizer.json in the model directory"
         )
-    return ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, eos, BYTE_PAD if cfg.vocab_size > BYTE_PAD else None)
+    eos = raw.get("eos_token_id", 1)
+    eos = eos[0] if isinstance(eos, list) and eos else None if isinstance(eos, list) else eos
+    bos = raw.get("bos_token_id", 0)
+    return ByteTokenizer(vocab, bos if isinstance(bos, int) else None, eos if isinstance(eos, int) else None,
+                         BYTE_PAD if vocab > BYTE_PAD else None)
+
+
+def _config_fields(name: str) -> dict[str, Any]:
+    """The fields of the model config `name` names (a file, a directory, a shipped config), `text_config`
+    merged in; {} when there is none or it cannot be read. Read as JSON: the tokenizer needs only the
+    vocabulary size and the bos / eos ids, not a validated model config."""
+    from kvshare.shipped import resolve_config_path
+
+    try:
+        raw = _json_object(resolve_config_path(name))
+    except Exception:  # not found (ConfigError) or not valid JSON (CheckpointError)
+        return {}
+    inner = raw.get("text_config")
+    return {**raw, **inner} if isinstance(inner, dict) else raw

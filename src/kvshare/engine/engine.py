@@ -190,6 +190,9 @@ class LLMEngine:
             params.validate(self.cfg.vocab_size)
         except RequestError as e:
             raise RequestError(f"request {request_id!r}: {e}") from None
+        if params.n != 1:  # one sequence per engine request; LLM.generate and the server run n of them
+            raise RequestError(f"request {request_id!r}: invalid sampling params: n: an engine request samples one "
+                               "sequence (n = 1); LLM.generate runs n requests")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -336,7 +339,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, tok: int, lp: float, top: dict[int, float] | None = None) -> None:
         """Add a sampled token, update the text, finish the request if a stop rule fires.
 
-        Stop tokens (eos unless ignore_eos, stop_token_ids) stay in token_ids but add no text; a
+        Stop tokens (eos unless ignore_eos, stop_token_ids) stay in token_ids; a stop_token_ids token
+        adds its text (none for a special token), as in vLLM, eos adds none; a
         stop string ends the text just before it (after it with include_stop_str_in_output; the
         earliest match wins). `stop_reason` records a stop token id or stop string. Until
         min_tokens tokens exist, stop strings do not fire (stop tokens are masked by the sampler).
@@ -350,6 +354,8 @@ class LLMEngine:
             reason = SequenceStatus.FINISHED_STOPPED
             if tok in p.stop_token_ids:
                 seq.stop_reason = tok
+                if seq.detok is not None:
+                    seq.output_text += seq.detok.step([tok])
         elif seq.detok is not None:
             piece = seq.detok.step([tok])
             if piece and p.stop and len(seq.output_token_ids) >= p.min_tokens:

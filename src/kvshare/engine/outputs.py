@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvshare.engine.sequence import RequestMetrics, Sequence
 
 
+@dataclass
+class Logprob:
+    """One token's log-probability in vLLM's shape: `rank` 1 = most likely (None when unknown: a chosen
+    token outside the reported top k), `decoded_token` its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a prompt, as vLLM's `outputs[i]`: ``index`` (0..n-1), ``text``,
+    ``token_ids``, ``cumulative_logprob`` (sum of the chosen tokens' logprobs; None without logprobs),
+    ``logprobs`` (per output token a {token id: Logprob} of the chosen token and the top k; None
+    without logprobs), ``finish_reason`` and ``stop_reason`` (as on `RequestOutput`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Whether this sequence has finished (vLLM's method)."""
+        return self.finish_reason is not None
+
+
 class RequestOutput:
     """A request's state after a step (cumulative; ``new_token_ids`` are this step's tokens only).
+
+    vLLM's shape: ``outputs`` (one `CompletionOutput` per sequence; ``LLM.generate`` with
+    ``SamplingParams(n=k)`` fills k), ``prompt``, ``prompt_token_ids``, ``finished``. The fields
+    ``text``, ``token_ids``, ``logprobs`` and ``top_logprobs`` on the request itself are the first
+    sequence's, kept for code written against kvshare's earlier API (deprecated for user code: read
+    ``outputs[0]``; the server reads them).
 
     ``finish_reason`` is "stop" (eos, stop token or stop string), "length" (max_tokens or
     max_model_len), "abort", or "error" (the request was rejected by ``LLM.generate``, or failed
@@ -50,6 +87,36 @@ class RequestOutput:
         self.prompt_logprobs = prompt_logprobs
         self.prompt_top_logprobs = prompt_top_logprobs
         self.stop_reason = stop_reason
+        self._outputs: list[CompletionOutput] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The sequences of this prompt (vLLM's shape; one unless `LLM.generate` grouped n of them)."""
+        return self._outputs if self._outputs is not None else [self.completion(0)]
+
+    @outputs.setter
+    def outputs(self, value: list[CompletionOutput]) -> None:
+        self._outputs = value
+
+    def completion(self, index: int, decode_token: Callable[[int], str] | None = None) -> CompletionOutput:
+        """This request's sequence as a vLLM `CompletionOutput` numbered `index` (`decode_token`: a
+        token id's text, for `Logprob.decoded_token`; None leaves it None)."""
+        def decoded(i: int) -> str | None:
+            return decode_token(i) if decode_token is not None else None
+
+        lps, tops = self.logprobs, self.top_logprobs
+        per_token = None
+        if lps is not None:
+            per_token = []
+            for t, lp, top in zip(self.token_ids, lps, tops or [{}] * len(lps)):
+                ranked = {i: r + 1 for r, i in enumerate(top or {})}
+                entry = {i: Logprob(v, ranked[i], decoded(i)) for i, v in (top or {}).items()}
+                entry.setdefault(t, Logprob(lp, ranked.get(t), decoded(t)))
+                per_token.append(entry)
+        cumulative = float(sum(per_token[k][t].logprob for k, t in enumerate(self.token_ids[:len(per_token)]))) \
+            if per_token is not None else None
+        return CompletionOutput(index, self.text, list(self.token_ids), cumulative, per_token, self.finish_reason,
+                                self.stop_reason)
 
     @property
     def token_ids(self) -> list[int]:

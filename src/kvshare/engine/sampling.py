@@ -60,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (k >= 1)
     structured: Any = None  # engine/structured_spec.StructuredSpec: a grammar the output must follow
+    n: int = 1  # sequences per prompt: LLM.generate runs n requests (seed + i each); an engine request samples one
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(msg: str) -> RequestError:
@@ -84,6 +85,8 @@ class SamplingParams:
             raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise bad(f"max_tokens must be an integer >= 0 (0: score the prompt only), got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):

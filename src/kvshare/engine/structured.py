@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvshare.engine.json_schema import closed
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.errors import RequestError
 
@@ -103,7 +104,7 @@ class StructuredOutputs:
         m = llg.LLMatcher
         try:
             if spec.kind == "json":
-                g = m.grammar_from_json_schema(spec.value, defaults={"whitespace_flexible": False})
+                g = m.grammar_from_json_schema(closed(spec.value), defaults={"whitespace_flexible": False})
             elif spec.kind == "json_object":
                 g = m.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
             elif spec.kind == "regex":

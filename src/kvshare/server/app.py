@@ -34,10 +34,11 @@ from kvshare.server.generation import Job, ServerState, admit, generate
 from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
 from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvshare.server.replies import ModelCard, ModelList
+from kvshare.server.replies import ErrorResponse, ModelCard, ModelList
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
-from kvshare.server.tool_calls import tool_grammar
+from kvshare.server.tool_calls import DSML_FORMAT
+from kvshare.server.tool_grammar import tool_grammar
 from kvshare.server.tokenize import tokenize_body
 from kvshare.server.security import AccessPolicy, install
 
@@ -100,6 +101,18 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     async def models() -> dict[str, Any]:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse,
+                                                            "description": "No such model is served here."}})
+    async def model(model_id: str) -> Response:
+        _check_model(state, model_id)
+        return JSONResponse(ModelCard(id=model_name, max_model_len=max_model_len).model_dump())
+
+    @app.api_route("/v1/responses", methods=["GET", "POST"], include_in_schema=False)  # a 404 that says why
+    async def responses_api() -> Response:
+        return APIError(404, "the Responses API (/v1/responses) is not served; this server serves "
+                             "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
+                             "POST /detokenize", code="not_found").response()
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -111,18 +124,19 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         try:
             req = await parser.parse(await request.body(), CompletionRequest)
             _check_model(state, req.model)
+            ignored = _ignored(req)
             prompts = await _completion_prompts(state, req)
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
             params = _sampling_params(state, req, max_tokens, max(len(p[0]) for p in prompts), "prompt")
             echo_lps = req.echo and req.logprobs is not None
             if echo_lps or req.prompt_logprobs is not None:  # echo needs the prompt tokens' logprobs
-                params.prompt_logprobs = (max(req.logprobs or 0, req.prompt_logprobs or 0) if echo_lps
+                params.prompt_logprobs = (max(req.num_logprobs or 0, req.prompt_logprobs or 0) if echo_lps
                                           else req.prompt_logprobs)
             options = ReplyOptions(logprobs=req.num_logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                                    include_usage=req.include_usage, continuous_usage=req.continuous_usage)
-            return await generate(state, request, Job("completion", prompts, params, req.n, req.stream, options,
-                                                      req.cache_salt), slot=slot)
+            return _named(await generate(state, request, Job("completion", prompts, params, req.n, req.stream,
+                                                             options, req.cache_salt), slot=slot), ignored)
         except BaseException:
             slot.close()
             raise
@@ -134,11 +148,14 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         try:
             req = await parser.parse(await request.body(), ChatCompletionRequest)
             _check_model(state, req.model)
+            ignored = _ignored(req)
             try:
                 conversation = req.conversation()
                 extra: dict[str, Any] = {}
                 if req.uses_tools:
                     extra["tools"] = req.tools
+                if req.uses_tools or any(m.get("tool_calls") for m in conversation):
+                    extra["tool_format"] = DSML_FORMAT
                 if req.thinking:
                     extra["thinking"] = True
                 render = functools.partial(tokenizer.apply_chat_template, conversation, add_generation_prompt=True,
@@ -152,16 +169,14 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
             params.prompt_logprobs = req.prompt_logprobs
-            if req.forced_tool is not False:  # tool_choice required / named: the output must be a call block
-                name = req.forced_tool if isinstance(req.forced_tool, str) else None
-                params.structured = StructuredSpec("grammar", tool_grammar(req.tools or [], name), "tool_choice")
+            params.structured = _tool_constraint(req) or params.structured
             options = ReplyOptions(logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                                    include_usage=req.include_usage, continuous_usage=req.continuous_usage,
                                    tools=req.uses_tools, thinking=req.thinking,
                                    single_tool_call=req.parallel_tool_calls is False)
-            return await generate(state, request, Job("chat", [(prompt_ids, "")], params, req.n, req.stream, options,
-                                                      req.cache_salt), slot=slot)
+            return _named(await generate(state, request, Job("chat", [(prompt_ids, "")], params, req.n, req.stream,
+                                                             options, req.cache_salt), slot=slot), ignored)
         except BaseException:
             slot.close()
             raise
@@ -245,6 +260,35 @@ async def _completion_prompts(state: ServerState, req: CompletionRequest) -> lis
         else:
             out.append((ids, text, p))
     return out
+
+
+def _tool_constraint(req: ChatCompletionRequest) -> StructuredSpec | None:
+    """The grammar that holds tool calls to their schemas (`tool_grammar`): a required or named
+    tool_choice must call; `auto` may (unconstrained in thinking mode, whose reasoning the grammar does
+    not model, and when response_format / structured_outputs constrains the output instead)."""
+    if req.forced_tool is not False:
+        name = req.forced_tool if isinstance(req.forced_tool, str) else None
+        return StructuredSpec("grammar", tool_grammar(req.tools or [], name, parallel=req.parallel_tool_calls
+                                                      is not False), "tool_choice")
+    if req.uses_tools and not req.thinking and req.structured is None:
+        return StructuredSpec("grammar", tool_grammar(req.tools or [], None, parallel=req.parallel_tool_calls
+                                                      is not False, auto=True), "tools")
+    return None
+
+
+def _ignored(req: Any) -> list[str]:
+    """The request's unknown fields, logged (vLLM's warning) and returned for the reply's header."""
+    names = req.ignored_fields
+    if names:
+        log.warning("the request's fields %s are not known to kvshare and were ignored", ", ".join(names))
+    return names
+
+
+def _named(response: Response, ignored: list[str]) -> Response:
+    """`response` with the `X-Ignored-Fields` header naming the ignored fields (when there are any)."""
+    if ignored:
+        response.headers["X-Ignored-Fields"] = ", ".join(ignored)[:1024]
+    return response
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:

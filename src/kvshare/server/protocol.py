@@ -1,11 +1,15 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-The rule (README "Serving"): **every request field is honoured or refused.** A field kvshare does
-not know — or knows but cannot honour with the value sent — is a 400 naming it (`extra="forbid"`
-plus validators), never silently ignored. The only fields accepted without effect are `user`
-(an end-user id OpenAI uses for abuse monitoring) and `model` checked against the served name.
-Types are strict where OpenAI's are (`temperature: true` and `stream: "yes"` are 400s; an integer
-is still a valid number).
+The rules (README "Serving"), vLLM's: **a known field is honoured or refused** — a value kvshare
+cannot honour is a 400 naming the field, never silently ignored — and **an unknown field is
+ignored**: new SDK fields and other engines' extras (``truncation_side``, chat ``echo``, ...) are
+accepted without effect, logged as a warning, and named in the response's ``X-Ignored-Fields``
+header (`Ignored.ignored_fields`: the top level's, ``messages.N.x`` and ``stream_options.x``).
+Fields accepted without effect on purpose: `user` (an end-user id OpenAI uses for abuse
+monitoring), a message's `name` where the chat template has no place for it, and `model` checked
+against the served name. Types are strict where OpenAI's are (`temperature: true` and
+`stream: "yes"` are 400s; an integer is still a valid number); booleans also take the strings
+``"true"`` / ``"false"`` (any case) that some SDKs and form encoders send.
 
 Requests validate their sampling values here, so a bad value is a 400 naming the parameter
 before anything reaches the engine.
@@ -17,13 +21,15 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator,
+                      model_validator)
 
 from kvshare.engine.param_ranges import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
                                          TOP_K_MAX)
 from kvshare.engine.structured_spec import StructuredSpec
+from kvshare.server.tool_grammar import NAME_RE, PARAM_NAME_RE, ToolSpecError, check_tools
 
 MAX_STOP_STRINGS = 256  # vLLM accepts any number; each costs a substring search per generated token
 MAX_STOP_CHARS = 1024  # per stop string
@@ -31,8 +37,38 @@ MAX_CHOICES = 256  # n x prompts of one request
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 # fields clients send that this build cannot honour yet: any value but null is a 400 naming the field
 NOT_HONOURED: tuple[str, ...] = ()
-MESSAGE_FIELDS_NOT_HONOURED: tuple[str, ...] = ("name",)
+ROLE_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # standard and custom roles: written into a template as they are
 CHAT_TEMPLATE_KWARGS = ("thinking", "enable_thinking")  # DeepSeek's and Qwen's spelling of thinking mode
+
+
+
+def _str_bool(v: Any) -> Any:
+    """``"true"`` / ``"false"`` (any case) as booleans; anything else is left to strict validation."""
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    return v
+
+
+# a boolean that is strict (no 1, "yes") but takes the strings "true" / "false"
+Bool = Annotated[bool, BeforeValidator(_str_bool), Field(strict=True)]
+
+
+class Ignored(BaseModel):
+    """A request model that accepts unknown fields and reports them (`ignored_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Unknown fields of this body (dotted paths into messages and stream_options), in order."""
+        out = list(self.model_extra or {})
+        for i, m in enumerate(getattr(self, "messages", None) or []):
+            out += [f"messages.{i}.{k}" for k in m.model_extra or {}]
+        so = getattr(self, "stream_options", None)
+        if so is not None:
+            out += [f"stream_options.{k}" for k in so.model_extra or {}]
+        return out
+
 
 def new_id(prefix: str) -> str:
     """A unique response id such as `cmpl-3f2a...`."""
@@ -45,17 +81,16 @@ def now() -> int:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: usage on the last chunk (`include_usage`) or on every chunk (`continuous_usage_stats`)."""
+    """`stream_options`: usage on the last chunk (`include_usage`), and with it on every chunk
+    (`continuous_usage_stats`, vLLM's: only together with `include_usage`)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    model_config = ConfigDict(extra="allow")
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(Ignored):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, strict=True)
@@ -70,18 +105,18 @@ class _SamplingRequest(BaseModel):
     seed: int | None = Field(default=None, strict=True)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    stream: bool = Field(default=False, strict=True)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(default=False, strict=True)
+    ignore_eos: Bool = False
     user: str | None = None
     # vLLM's field: requests share cached prefix blocks only when their salts are equal.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     min_tokens: int = Field(default=0, strict=True, ge=0)
-    include_stop_str_in_output: bool = Field(default=False, strict=True)
-    return_token_ids: bool = Field(default=False, strict=True)
-    return_tokens_as_token_ids: bool = Field(default=False, strict=True)
+    include_stop_str_in_output: Bool = False
+    return_token_ids: Bool = False
+    return_tokens_as_token_ids: Bool = False
     truncate_prompt_tokens: int | None = Field(default=None, strict=True, ge=1)
     prompt_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
@@ -202,13 +237,14 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         """Whether a streaming response ends with a usage chunk."""
-        return bool(self.stream_options and (self.stream_options.include_usage
-                                             or self.stream_options.continuous_usage_stats))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        """Whether every streamed chunk carries the usage so far."""
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Whether every streamed chunk carries the usage so far (vLLM: include_usage and
+        continuous_usage_stats both true)."""
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
     @property
     def bias(self) -> dict[int, float] | None:
@@ -283,9 +319,9 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a batch)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = Field(default=False, strict=True)
+    echo: Bool = False
     best_of: int | None = Field(default=None, strict=True)
-    logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, strict=True, ge=-1, le=MAX_LOGPROBS)  # -1: all (up to the limit)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -321,27 +357,23 @@ class CompletionRequest(_SamplingRequest):
 
     @property
     def num_logprobs(self) -> int | None:
-        """None: no logprobs; k: the chosen tokens' and the top k alternatives."""
-        return self.logprobs
+        """None: no logprobs; k: the chosen tokens' and the top k alternatives (-1: MAX_LOGPROBS)."""
+        return MAX_LOGPROBS if self.logprobs == -1 else self.logprobs
 
 
 class ChatMessage(BaseModel):
-    """One conversation turn. `content` may be OpenAI's list of text parts."""
+    """One conversation turn. `content` may be OpenAI's list of text parts. `role`: the standard
+    ones or a custom one (letters, digits, ``_``, ``-``) that the chat template renders or refuses;
+    `name` reaches the template as the message's ``name`` (the built-in template has no place for
+    it); unknown fields are ignored (`Ignored`)."""
 
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(pattern=ROLE_PATTERN)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _honoured(self) -> "ChatMessage":
-        for name in MESSAGE_FIELDS_NOT_HONOURED:
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} in messages is not supported by this server")
-        return self
 
     def text(self) -> str:
         """The message's text, joining text parts."""
@@ -360,11 +392,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, strict=True)
-    logprobs: bool = Field(default=False, strict=True)
-    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
+    logprobs: Bool = False
+    top_logprobs: int | None = Field(default=None, strict=True, ge=-1, le=MAX_LOGPROBS)  # -1: all (up to the limit)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = Field(default=None, strict=True)
+    parallel_tool_calls: Bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
@@ -382,18 +414,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def num_logprobs(self) -> int | None:
-        """None: no logprobs; k: the chosen tokens' and the top k alternatives."""
-        return (self.top_logprobs or 0) if self.logprobs else None
+        """None: no logprobs; k: the chosen tokens' and the top k alternatives (-1: MAX_LOGPROBS)."""
+        if not self.logprobs:
+            return None
+        return MAX_LOGPROBS if self.top_logprobs == -1 else (self.top_logprobs or 0)
 
     @model_validator(mode="after")
     def _tools(self) -> "ChatCompletionRequest":
-        for i, t in enumerate(self.tools or []):
-            fn = t.get("function")
-            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                    or not fn["name"] or set(fn) - {"name", "description", "parameters", "strict"} \
-                    or set(t) - {"type", "function"}:
-                raise _field_error(f"tools.{i}", "a tool is {type: function, function: {name, description?, "
-                                                 "parameters?, strict?}}")
+        try:
+            check_tools(self.tools or [])
+        except ToolSpecError as e:
+            raise _field_error(e.field, e.message) from None
+        for i, m in enumerate(self.messages):
+            for j, call in enumerate(m.tool_calls or []):
+                _check_history_call(call, f"messages.{i}.tool_calls.{j}")
         choice = self.tool_choice
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
@@ -452,16 +486,34 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
-class TokenizeRequest(BaseModel):
+def _check_history_call(call: Any, where: str) -> None:
+    """A past assistant tool call: {id?, type?: function, function: {name, arguments: JSON object text}},
+    with names that can be written into the prompt (`tool_grammar`'s rules)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME_RE.match(fn["name"]):
+        raise _field_error(f"{where}.function.name", "a tool call names a function matching ^[a-zA-Z0-9_-]{1,64}$")
+    args = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _field_error(f"{where}.function.arguments", "must be a JSON object (as text)")
+    for key in parsed:
+        if not PARAM_NAME_RE.match(key):
+            raise _field_error(f"{where}.function.arguments", f"argument name {key!r} must be 1-256 characters "
+                                                              'without ", <, > or control characters')
+
+
+class TokenizeRequest(Ignored):
     """POST /tokenize (vLLM's shape): `prompt`, or chat `messages` rendered with the template."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = Field(default=True, strict=True)
-    add_generation_prompt: bool = Field(default=True, strict=True)
-    return_token_strs: bool = Field(default=False, strict=True)
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -470,10 +522,9 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Ignored):
     """POST /detokenize (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 

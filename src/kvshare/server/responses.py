@@ -144,6 +144,7 @@ class ResponseBuilder:
 
     def _completion_entries(self, ids: list[int], lps: list[float | None], tops: list[dict[int, float] | None],
                             st: _ChoiceState) -> dict[str, Any]:
+        lps = [_own(t, lp, top) for t, lp, top in zip(ids, lps, tops)]
         offs, st.decoder, st.offset = self.text.offsets(ids, st.offset, st.decoder)
         top_out: list[dict[str, float] | None] = []
         for t, lp, top in zip(ids, lps, tops):
@@ -160,7 +161,7 @@ class ResponseBuilder:
         def entry(t: int, lp: float) -> dict[str, Any]:
             return {"token": self.text.string(t), "logprob": lp, "bytes": self.text.bytes_of(t)}
 
-        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
+        return [{**entry(t, _own(t, lp, top)), "top_logprobs": [entry(i, v) for i, v in (top or {}).items()]}
                 for t, lp, top in zip(ids, lps, tops)]
 
     def _logprobs(self, index: int, out: Any, echo_prompt: bool) -> dict[str, Any] | None:
@@ -295,12 +296,16 @@ class ResponseBuilder:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
     def role_chunks(self) -> list[str]:
-        """Chat streams open with the assistant role and empty content, per choice."""
+        """Chat streams open with the assistant role and empty content, per choice (with continuous
+        usage: the prompt tokens, 0 completion tokens, as vLLM's first chunk)."""
         chunks = []
         for c in self.choices:
             choice = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}
-            chunks.append(sse(self._envelope(self._obj(), [choice])))
+            body = self._envelope(self._obj(), [choice])
+            if self.options.continuous_usage:
+                body["usage"] = self.usage({}).model_dump()
+            chunks.append(sse(body))
         return chunks
 
     def stream_update(self, index: int, out: Any, outs: dict[int, Any]) -> list[str]:
@@ -350,6 +355,12 @@ class ResponseBuilder:
         body = self._envelope(self._obj(), [])
         body["usage"] = self.usage(outs).model_dump()
         return sse(body)
+
+
+def _own(t: int, lp: float | None, top: dict[int, float] | None) -> float | None:
+    """A chosen token's logprob as its own top entry shows it, when it has one (the two are computed
+    apart and may differ by an ulp; a client comparing them must see one number)."""
+    return top[t] if top and t in top else lp
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -15,8 +15,12 @@ the block is the message content. A stream (`ToolCallStream`) sends content delt
 block opens, then one tool-call delta per invoke as soon as it closes (name and whole arguments,
 with its index); a block left unfinished at the end is returned as content, unparsed.
 
-`tool_grammar` is the Lark grammar that forces a tool-call block (``tool_choice`` "required" or a
-named function), enforced by structured output.
+The grammar that makes the model's block follow each tool's schema is `tool_grammar.py`'s.
+
+Rendering into the prompt writes nothing raw that could open or close a DSML tag: a history call's
+string value holding ``<`` is written as a JSON string (``string="false"``) with ``<`` escaped as
+``\u003c``, as are ``<`` in JSON values and in the tools' definitions; names are checked by the
+request validation (`tool_grammar.check_tools`, `protocol`).
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ class ToolCallStream:
         return "" if self._in_block else rest
 
 
+def _raw(v: Any) -> bool:
+    """Whether a value is written as raw text (a string that cannot touch a tag)."""
+    return isinstance(v, str) and "<" not in v
+
+
+def _json(v: Any) -> str:
+    """JSON text of `v` with `<` escaped (still the same JSON value)."""
+    return json.dumps(v, ensure_ascii=False).replace("<", "\\u003c")
+
+
 def render_tool_calls(calls: list[dict[str, Any]]) -> str:
     """The DSML block of OpenAI `tool_calls` (an assistant turn in the conversation history)."""
     invokes = []
@@ -116,10 +130,10 @@ def render_tool_calls(calls: list[dict[str, Any]]) -> str:
         fn = c.get("function", {})
         args = fn.get("arguments") or "{}"
         args = json.loads(args) if isinstance(args, str) else args
-        params = [f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-                  f'{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>'
-                  for k, v in args.items()]
-        invokes.append(f'<{DSML}invoke name="{fn.get("name", "")}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
+        params = [f'<{DSML}parameter name="{k}" string="{"true" if _raw(v) else "false"}">'
+                  f'{v if _raw(v) else _json(v)}</{DSML}parameter>' for k, v in args.items()]
+        invokes.append(f'<{DSML}invoke name="{fn.get("name", "")}">\n' + "".join(p + "\n" for p in params)
+                       + f"</{DSML}invoke>")
     return BLOCK_START + "\n" + "\n".join(invokes) + "\n" + BLOCK_END
 
 
@@ -130,24 +144,21 @@ def render_tools(tools: list[dict[str, Any]]) -> str:
              f'<{DSML}parameter name="ARG" string="true|false">VALUE</{DSML}parameter>',
              f"</{DSML}invoke>", BLOCK_END,
              'string="true" for a text value, string="false" for a JSON value.', "", "### Functions"]
-    lines += [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
+    lines += [_json(t.get("function", t)) for t in tools]
     return "\n".join(lines)
 
 
-def tool_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
-    """A Lark grammar for one tool-call block calling `name` (None: any of `tools`)."""
-    names = [name] if name is not None else [t["function"]["name"] for t in tools]
-    alts = " | ".join(json.dumps(n) for n in names)
-    nl = json.dumps("\n")
-    return "\n".join([
-        # every literal owns its trailing newline, so no two literals overlap at a separator
-        f"start: {json.dumps(BLOCK_START + chr(10))} invoke+ {json.dumps(BLOCK_END)}",
-        f'invoke: {json.dumps("<" + DSML + "invoke name=" + chr(34))} fname {json.dumps(chr(34) + ">" + chr(10))} '
-        f'(param {nl})* {json.dumps("</" + DSML + "invoke>" + chr(10))}',
-        f"fname: {alts}",
-        f'param: {json.dumps("<" + DSML + "parameter name=" + chr(34))} PNAME '
-        f'{json.dumps(chr(34) + " string=" + chr(34))} ("true" | "false") {json.dumps(chr(34) + ">")} VALUE '
-        f'{json.dumps("</" + DSML + "parameter>")}',
-        "PNAME: /[A-Za-z0-9_.-]+/",
-        "VALUE: /[^<]*/",
-    ])
+class DsmlFormat:
+    """How the built-in chat template writes tools and past tool calls (the tokenizer's `ToolFormat`:
+    the tokenizer renders no tool syntax of its own)."""
+
+    def section(self, tools: list[dict[str, Any]]) -> str:
+        """The tools section that ends the system prompt."""
+        return render_tools(tools)
+
+    def calls(self, tool_calls: list[dict[str, Any]]) -> str:
+        """The DSML block of an assistant turn's `tool_calls`."""
+        return render_tool_calls(tool_calls)
+
+
+DSML_FORMAT = DsmlFormat()
