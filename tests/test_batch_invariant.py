@@ -88,7 +88,7 @@ def test_a_parameters_cached_pack_follows_its_updates() -> None:
 def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_forward() -> None:
     """oneDNN's bf16 product is not row-invariant at K = 4096 (rows of a 128-row call differ
     from that row alone on an AMX Xeon); bound batch-invariant, `Linear` is."""
-    from kvshare.model.linear import Linear, pack_linears
+    from kvshare.layers.linear import Linear, pack_linears
 
     g = torch.Generator().manual_seed(0)
     lin = Linear(4096, 1536)

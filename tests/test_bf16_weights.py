@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvshare.engine.engine import LLMEngine
 from kvshare.model.dtypes import cast_model, weight_bytes
-from kvshare.model.linear import Linear, pack_linears, packing_available
+from kvshare.layers.linear import Linear, pack_linears, packing_available
 from kvshare.weights.weights_quant import dequant_fp4_weight, dequant_fp8_weight
 from test_model_common import make_model
 

@@ -23,7 +23,7 @@ from kvshare.layers import KernelChoice
 from kvshare.cache.dense import DenseCache
 from kvshare.model import Transformer
 from kvshare.step.context import StepContext
-from kvshare.model.mhc import hc_collapse, identity_pre
+from kvshare.layers.mhc_torch import hc_collapse, identity_pre
 from kvshare.step import StepBatch, StepState
 from test_model_common import assert_close, random_chunks, token_ids
 

@@ -15,7 +15,7 @@ from kvshare.config import load_config
 from kvshare.model.deepseek import Transformer
 from kvshare.model.dtypes import cast_model, weight_bytes
 from kvshare.layers import KernelChoice
-from kvshare.model.linear import Linear, QLinear
+from kvshare.layers.linear import Linear, QLinear
 from kvshare.weights.loader import load_model
 from kvshare.weights.checkpoint_write import save_checkpoint
 from kvshare.model.moe import _run_experts

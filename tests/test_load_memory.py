@@ -58,7 +58,7 @@ def test_streamed_load_peak_is_near_file_size_and_tokens_are_unchanged(checkpoin
 
 def test_streamed_values_equal_the_whole_read_path(checkpoint) -> None:
     from kvshare.kernels import Packed
-    from kvshare.model.linear import Linear
+    from kvshare.layers.linear import Linear
     from kvshare.weights.loader import _packable_names, load_checkpoint, load_model
 
     path, cfg = checkpoint

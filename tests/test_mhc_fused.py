@@ -40,7 +40,7 @@ from kvshare.kernels import available as kernels_available, pack_fp32
 from kvshare.layers import KernelChoice
 from kvshare.layers.mhc import HcWeights, Mix, NativeMhc, TorchMhc
 from kvshare.model import Transformer
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.norm import RMSNorm
 from test_engine_exact import greedy_random_run, spy_logits
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="native kernels unavailable on this machine")

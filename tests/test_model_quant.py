@@ -9,7 +9,7 @@ import torch
 from kvshare.layers import KernelChoice
 from kvshare.cache.dense import DenseCache
 from kvshare.model import QuantMode
-from kvshare.model.linear import QLinear
+from kvshare.layers.linear import QLinear
 from kvshare.model.quantize import fit_block
 from kvshare.quant import fake_quant_fp4, fake_quant_fp8
 from kvshare.step import StepBatch

@@ -26,7 +26,7 @@ import torch
 
 from kvshare.kernels import decode as native
 from kvshare.kernels import moe as native_moe
-from kvshare.model.linear import QLinear
+from kvshare.layers.linear import QLinear
 from kvshare.weights.loader import load_model
 from kvshare.model.moe import MoE
 from kvshare.model.quantize import QuantMode

@@ -57,7 +57,7 @@ def test_act_quant_native_is_the_torch_rounding(dtype: torch.dtype, width: int, 
     = the torch rounding, bitwise, and the kernel ran. Mutation caught (run): `fp8_round` handing the
     kernel ``block * 2``."""
     from kvshare.layers import KernelChoice
-    from kvshare.model.linear import QLinear
+    from kvshare.layers.linear import QLinear
     from kvshare.model.quantize import QuantMode
 
     g = torch.Generator().manual_seed(width)

@@ -190,7 +190,7 @@ def test_model_logits_are_bitwise_the_torch_paths(name: str, dtype: torch.dtype,
 def test_rope_gives_the_bits_of_the_torch_rotation(dtype: torch.dtype, shape: tuple[int, ...], inverse: bool) -> None:
     """`layers.rope.RotaryEmbedding` bound native = bound torch, bitwise. Mutation caught (run): the
     native implementation handing the kernel S for -S (the inverse flag ignored)."""
-    from kvshare.model.rope import RotaryEmbedding
+    from kvshare.layers.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(sum(shape))
     rope = RotaryEmbedding(shape[-1] // 2 if shape[-1] != 40 else 16, 160000.0, None)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvshare.model.rope import RotaryEmbedding
+from kvshare.layers.rope import RotaryEmbedding
 
 RD, BASE = 8, 100.0
 

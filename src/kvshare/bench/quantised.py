@@ -34,7 +34,7 @@ _EMBED = re.compile(r"(^|\.)embed(_tokens)?\.weight$")
 
 def quantised_checkpoint(cfg: ModelConfig, seed: int, out_dir: str) -> int:
     """Write the bench model (seeded random weights) in the release's formats; returns its bytes."""
-    from kvshare.model.linear import QLinear
+    from kvshare.layers.linear import QLinear
     from kvshare.weights.checkpoint_write import save_checkpoint
     from kvshare.weights.weights_quant import release_quantize
 
@@ -50,7 +50,7 @@ def decode_read_bytes(model: torch.nn.Module, n_experts: int, k: int, batch: int
     """Weight bytes one decode step of `batch` tokens reads (packed bytes for packed weights):
     everything but the routed experts and the embedding once, ``E (1 - (1 - k/E)^B)`` experts per
     layer in expectation, one embedding row per token."""
-    from kvshare.model.linear import Linear
+    from kvshare.layers.linear import Linear
 
     expert = other = embed_row = 0
     for name, mod in model.named_modules():

@@ -64,7 +64,7 @@ def _plan(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...], torch.dtype
     scale, in file order (weights and their scales adjacent; 8-byte, 4-byte, 2-byte, 1-byte dtypes)."""
     from kvshare.model.deepseek import Transformer
     from kvshare.model.dtypes import _keeps_fp32
-    from kvshare.model.linear import QLinear
+    from kvshare.layers.linear import QLinear
 
     with torch.device("meta"):
         model = Transformer(cfg, quant=False)

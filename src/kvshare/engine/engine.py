@@ -47,7 +47,7 @@ from kvshare.engine.step_plan import ScheduledChunk
 from kvshare.errors import RequestError, SetupError
 from kvshare.model.dspark import DSparkDraft
 from kvshare.model.dtypes import cast_model, weight_bytes
-from kvshare.model.linear import pack_linears
+from kvshare.layers.linear import pack_linears
 from kvshare.weights.loader import load_model
 from kvshare.topology import Topology
 

@@ -2,14 +2,14 @@
 
 Each kernel computes every row from that row's inputs alone, in one call for all rows of a step
 (no per-row Python, no host sync), so it keeps the batch-invariance contract of `ops/invariant.py`.
-The model uses them inside a batch-invariant forward (`model/mhc.py`), where the torch code they
+The model uses them inside a batch-invariant forward (`layers/mhc_torch.py`), where the torch code they
 replace stays the reference and the fallback:
 
 * `mhc_post`: mHC pre / post / comb from the mixes, the same bits as `hc_pre_of` + `hc_post_comb`:
   exp is SLEEF's vector expf (exported by libtorch_cpu), which torch's vectorised sigmoid and
   softmax call; sigmoid = 1 / (1 + exp(0 - z)); softmax = exp(z - max) * (1 / sequential sum);
   Sinkhorn sums in increasing index order from 0, + eps, divide.
-* `rope`: the rotation of `model/rope.py` (the same bits: each product rounded, then the sum,
+* `rope`: the rotation of `layers/rope.py` (the same bits: each product rounded, then the sum,
   then the cast) from its per-position (C, S) tables, in one call instead of six ops.
 * `compress_pool`: a compressor's softmax pooling over its history slots (`model/compressor.py`),
   the same bits as ``(torch.softmax(score, dim=1) * kv).sum(dim=1)``: SLEEF exp, the softmax's
@@ -19,7 +19,7 @@ replace stays the reference and the fallback:
   are MKL batched GEMMs whose summation order is MKL's; this kernel sums each dot product in 8
   fma lanes (lanes added pairwise) and the weighted values in key order. The difference is
   bounded in tests/test_native_decode.py; batch invariance holds by construction (one row at a time).
-* `rms_norm`: RMSNorm rows (`model/norm.py`), the same bits: squares, torch's sum of a contiguous
+* `rms_norm`: RMSNorm rows (`layers/norm.py`), the same bits: squares, torch's sum of a contiguous
   row (the AVX2 inner-sum kernel, which torch also runs under AVX-512: 8-lane vectors in 4 streams,
   cascaded), ``/ n``, ``+ eps``, ``1 / sqrt``, then ``x * r`` and ``* weight`` rounded one by one.
 * `moe_route`: the gate's scores (sqrt(softplus) or sigmoid: SLEEF exp / log1p as torch's vector

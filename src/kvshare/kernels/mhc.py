@@ -1,7 +1,7 @@
 """A sublayer's mHC work in one native call (csrc/mhc.cpp); `layers/mhc.FusedMhc` binds it.
 
 In a batch-invariant native forward, entering a sublayer used to be five native calls with Python
-between them (`model/mhc.py`: the RMS statistic of the flattened streams, the fp32 mix GEMM,
+between them (`layers/mhc_torch.py`: the RMS statistic of the flattened streams, the fp32 mix GEMM,
 `mhc_post`, `mhc_collapse`, then the sublayer's RMSNorm), and leaving it one more (`mhc_expand`).
 These functions make the same calls, in the same order, on the same buffers, from C++:
 

@@ -45,9 +45,9 @@ from kvshare.ops import invariant
 Attention = Any
 
 if TYPE_CHECKING:  # (kvshare.model imports this module: its functions are imported where used)
-    from kvshare.model.linear import Linear
+    from kvshare.layers.linear import Linear
     from kvshare.model.quantize import QuantMode
-    from kvshare.model.rope import RotaryEmbedding
+    from kvshare.layers.rope import RotaryEmbedding
 
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
 

@@ -35,8 +35,8 @@ from kvshare.layers.attn_proj import AttnIn, AttnOut
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.step.context import StepContext
 from kvshare.model.indexer import Indexer
-from kvshare.model.linear import QLinear, plain_linear
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.linear import QLinear, plain_linear
+from kvshare.layers.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.topology import Topology
 

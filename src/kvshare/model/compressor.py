@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from kvshare.layers.compressor import CompressPool, CompressProject
-from kvshare.model.linear import plain_linear
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.linear import plain_linear
+from kvshare.layers.norm import RMSNorm
 from kvshare.step.addresses import Groups
 
 if TYPE_CHECKING:

@@ -34,12 +34,12 @@ from kvshare.model.attention import Attention
 from kvshare.step.context import StepContext
 from kvshare.model.engram import Engram, engram_hasher, lookback_ids
 from kvshare.model.engram_table import EngramTable
-from kvshare.model.linear import plain_linear
-from kvshare.model.mhc import identity_pre
+from kvshare.layers.linear import plain_linear
+from kvshare.layers.mhc_torch import identity_pre
 from kvshare.model.moe import MoE
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
-from kvshare.model.rope import RotaryEmbedding
+from kvshare.layers.rope import RotaryEmbedding
 from kvshare.precision import wide
 from kvshare.step import CacheBackend, StepBatch, StepState
 from kvshare.topology import Topology

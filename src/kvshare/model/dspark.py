@@ -32,10 +32,10 @@ from kvshare.model.attention import Attention
 from kvshare.layers.mhc import Mhc
 from kvshare.model.deepseek import Block, Transformer
 from kvshare.model.dspark_window import DraftWindows
-from kvshare.model.linear import QLinear
-from kvshare.model.mhc import hc_collapse, identity_pre
+from kvshare.layers.linear import QLinear
+from kvshare.layers.mhc_torch import hc_collapse, identity_pre
 from kvshare.model.moe import MoE
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.norm import RMSNorm
 from kvshare.ops import sparse_attention
 from kvshare.precision import wide
 

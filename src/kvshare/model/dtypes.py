@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from kvshare.model.compressor import Compressor
-from kvshare.model.linear import Linear, pack_linears
+from kvshare.layers.linear import Linear, pack_linears
 from kvshare.model.moe import Gate
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.norm import RMSNorm
 
 _FP32_LEAVES = ("attn_sink", "ape")
 

@@ -39,7 +39,7 @@ from kvshare.errors import ConfigError
 from kvshare.model.engram_hash import EngramHasher, EngramLayout
 from kvshare.model.engram_table import EngramTable
 from kvshare.layers.choice import KernelChoice
-from kvshare.model.linear import QLinear
+from kvshare.layers.linear import QLinear
 from kvshare.model.quantize import QuantMode
 from kvshare.ops.invariant import pointwise
 from kvshare.precision import wide

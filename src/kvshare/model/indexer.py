@@ -28,8 +28,8 @@ from kvshare.config import ModelConfig
 from kvshare.layers.index_select import IndexSelect
 from kvshare.model.compressor import Compressor, Emitted
 from kvshare.step.context import StepContext
-from kvshare.model.linear import QLinear, plain_linear
-from kvshare.model.norm import RMSNorm
+from kvshare.layers.linear import QLinear, plain_linear
+from kvshare.layers.norm import RMSNorm
 from kvshare.model.quantize import KVQuantizer, QuantMode
 from kvshare.topology import LayerPlan, Topology
 

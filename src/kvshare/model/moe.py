@@ -31,7 +31,7 @@ from kvshare.config import ModelConfig
 from kvshare.layers.choice import KernelChoice
 from kvshare.layers.moe_experts import MoeExperts, _run_experts, _swiglu
 from kvshare.layers.moe_gate import Gate
-from kvshare.model.linear import QLinear
+from kvshare.layers.linear import QLinear
 from kvshare.model.quantize import QuantMode
 from kvshare.ops.invariant import pointwise
 from kvshare.precision import wide

@@ -122,7 +122,7 @@ def load_rank_model(model: Any, args: Any, group: Any) -> torch.nn.Module:
     """This rank's shard of `model` (a Transformer, or a name / path `load_model` accepts)."""
     from kvshare.model.deepseek import Transformer
     from kvshare.model.engram import engram_hasher
-    from kvshare.model.rope import RotaryEmbedding
+    from kvshare.layers.rope import RotaryEmbedding
     from kvshare.tokenizer import load_tokenizer
 
     model = model if model is not None else "kvshare-mini-v41"

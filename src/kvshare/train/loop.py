@@ -20,7 +20,7 @@ CacheFactory = Callable[[Any, StepBatch], Any]  # (model, batch) -> CacheBackend
 
 
 def dense_cache_factory(model: Any, batch: StepBatch) -> Any:
-    """A fresh reference cache (`model/dense_cache.py`) sized for the step's sequences.
+    """A fresh reference cache (`cache/dense.py`) sized for the step's sequences.
 
     With autograd on, its compressed-row writes are out of place, so a loss in the same forward
     reaches the compressors and the index-key projections through the rows they wrote.

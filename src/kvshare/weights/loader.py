@@ -250,7 +250,7 @@ def _packable_names(model: torch.nn.Module, dtype: torch.dtype) -> frozenset[str
     `QLinear`s, whose every use goes through `Linear.forward` (plain linears such as ``wo_a`` or
     the compressor's are also read as dense tensors elsewhere)."""
     from kvshare import kernels
-    from kvshare.model.linear import QLinear
+    from kvshare.layers.linear import QLinear
 
     if dtype != torch.bfloat16 or not kernels.available():
         return frozenset()
