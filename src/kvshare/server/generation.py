@@ -32,10 +32,12 @@ from kvshare.server.errors import APIError, internal_error
 from kvshare.server.metrics import ServerMetrics
 from kvshare.server.protocol import new_id
 from kvshare.server.responses import DONE, ChoiceSpec, ReplyOptions, ResponseBuilder
+from kvshare.server.stop_match import StopPrefixes
 
 log = logging.getLogger("kvshare.server")
 
 _DISCONNECT_POLL_S = 0.25
+_INLINE_STOP_CHARS = 4096
 
 
 @dataclass
@@ -239,12 +241,12 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
             if single:
                 run.direct = queue
 
+        await _compile_grammar(state, job)
         run = _Run(slot, merged, followers, add, rid_of, len(specs))
         for leader in list(followers):
             await add(leader)
         builder = ResponseBuilder(job.kind, base, state.model_name, tokenizer=state.tokenizer,  # type: ignore[arg-type]
-                                  choices=specs, options=job.options,
-                                  stop=list(getattr(job.params, "stop", None) or []))
+                                  choices=specs, options=job.options, stop=await _stop_prefixes(job))
         if job.stream:
             return _GuardedStream(_events(state, run, builder), slot.close)
         try:
@@ -258,6 +260,34 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
     finally:
         if not job.stream:
             slot.close()
+
+
+async def _stop_prefixes(job: Job) -> StopPrefixes:
+    """The request's stop-string automaton, built once for all its choices (on a worker thread when
+    the stop strings are long: 256 x 1,024 characters take ~1 s)."""
+    stops = [s for s in (getattr(job.params, "stop", None) or []) if s]
+    if sum(map(len, stops)) <= _INLINE_STOP_CHARS:
+        return StopPrefixes(stops)
+    return await asyncio.to_thread(StopPrefixes, stops)
+
+
+async def _compile_grammar(state: ServerState, job: Job) -> None:
+    """Compile the request's grammar before admission, on the engine's compile thread (never the engine
+    thread), and hand the compiled grammar to every choice through `job.params.structured`; 400 for a
+    grammar refused, or one that no id of `allowed_token_ids` can start."""
+    spec = getattr(job.params, "structured", None)
+    structured = getattr(state.loop.engine, "structured", None)
+    if spec is None or not hasattr(structured, "submit"):
+        return
+    try:
+        compiled = await asyncio.wrap_future(structured.submit(spec))  # type: ignore[union-attr]
+    except RequestError as e:
+        raise APIError(400, str(e), param=spec.field, code="invalid_value") from None
+    allowed = getattr(job.params, "allowed_token_ids", None)
+    if allowed and not compiled.first_ids_fit(allowed):
+        raise APIError(400, f"allowed_token_ids: no id in it can start text that the {spec.field} grammar "
+                            "accepts", param="allowed_token_ids", code="invalid_value")
+    job.params.structured = dataclasses.replace(spec, compiled=compiled)
 
 
 class _Run:
