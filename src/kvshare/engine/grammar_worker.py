@@ -48,6 +48,8 @@ def one_line(message: str) -> str:
     text = message.replace("<non-verbose/>", "").strip()
     line = next((s.strip() for s in text.splitlines() if s.strip()), "unknown error")
     line = re.sub(r"\s+", " ", line)
+    # a quoted piece of the grammar (closed, or cut off at the end) is not echoed back when long
+    line = re.sub(r'"([^"]*)("|$)', lambda m: m.group(0) if len(m.group(1)) < 24 else '"..."', line)
     return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
 
 

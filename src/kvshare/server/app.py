@@ -31,14 +31,14 @@ from kvshare.server.body_parser import BodyParser
 from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, internal_error
 from kvshare.server.generation import Job, ServerState, admit, generate
-from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
+from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits, check_reply_size
 from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvshare.server.replies import ModelCard, ModelList
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
 from kvshare.server.tool_calls import tool_grammar
-from kvshare.server.tokenize import tokenize_body
+from kvshare.server.tokenize import tokenize_reply
 from kvshare.server.security import AccessPolicy, install
 
 log = logging.getLogger("kvshare.server")
@@ -94,6 +94,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         if loop.stalled(watchdog_timeout_s):
             return APIError(503, f"the engine loop has not advanced for over {watchdog_timeout_s:g} s with "
                                  "requests pending", code="engine_stalled").response()
+        if loop.step_overdue():  # a stopped tensor-parallel worker: seconds, not the step timeout
+            return APIError(503, f"the engine step running now has taken over {loop.overdue_after_s:.3g} s "
+                                 "(4x the longest recent step)", code="engine_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -118,6 +121,10 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             if echo_lps or req.prompt_logprobs is not None:  # echo needs the prompt tokens' logprobs
                 params.prompt_logprobs = (max(req.logprobs or 0, req.prompt_logprobs or 0) if echo_lps
                                           else req.prompt_logprobs)
+            if req.echo or req.prompt_logprobs is not None:
+                check_reply_size(limits, req.n * sum(len(p[0]) for p in prompts), params.prompt_logprobs,
+                                 "the echoed prompt" if req.echo else "prompt logprobs",
+                                 "echo" if req.echo else "prompt_logprobs")
             options = ReplyOptions(logprobs=req.num_logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                                    include_usage=req.include_usage, continuous_usage=req.continuous_usage)
@@ -152,6 +159,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
             params.prompt_logprobs = req.prompt_logprobs
+            if req.prompt_logprobs is not None:
+                check_reply_size(limits, req.n * len(prompt_ids), req.prompt_logprobs, "prompt logprobs",
+                                 "prompt_logprobs")
             if req.forced_tool is not False:  # tool_choice required / named: the output must be a call block
                 name = req.forced_tool if isinstance(req.forced_tool, str) else None
                 params.structured = StructuredSpec("grammar", tool_grammar(req.tools or [], name), "tool_choice")
@@ -169,9 +179,13 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @app.post("/tokenize")
     @_guarded(state)
     async def tokenize(request: Request) -> Response:
-        req = await parser.parse(await request.body(), TokenizeRequest)
-        _check_model(state, req.model)
-        return JSONResponse(tokenize_body(state, req))
+        slot = admit(state)  # under the concurrency limit, like generation
+        try:
+            req = await parser.parse(await request.body(), TokenizeRequest)
+            _check_model(state, req.model)
+            return await tokenize_reply(state, req, limits)
+        finally:
+            slot.close()
 
     @app.post("/detokenize")
     @_guarded(state)

@@ -162,12 +162,12 @@ def _choice_params(params: Any, i: int) -> Any:
 
 
 async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], params: Any, job: Job,
-               merged: asyncio.Queue | None, index: int) -> asyncio.Queue:
+               merged: asyncio.Queue | None, index: int, group: str | None = None) -> asyncio.Queue:
     """Add one engine request; return its output queue, and with `merged` forward its outputs there as
     (choice index, item) (a request of one choice reads its queue directly: no extra hop per token)."""
     slot.request_ids.append(rid)
     try:
-        queue = await _engine_add(state, rid, prompt, params, job.cache_salt)
+        queue = await _engine_add(state, rid, prompt, params, job.cache_salt, group)
     except RequestError as e:
         named = re.search(r"invalid sampling params: ([\w.]+)", str(e))
         param = named.group(1) if named else "prompt" if job.kind == "completion" else "messages"
@@ -192,9 +192,9 @@ async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], par
 
 
 async def _engine_add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
-                      cache_salt: str | None) -> asyncio.Queue:
+                      cache_salt: str | None, group: str | None = None) -> asyncio.Queue:
     """`state.loop.add(...)`, which `ServerState.expire` can end with a 503 while the engine is stuck."""
-    adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt))
+    adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt, group=group))
     state.adding[rid] = adding
     try:
         return await adding
@@ -237,7 +237,7 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
             pi, i = divmod(index, job.n)
             prompt = job.prompts[pi][2] if len(job.prompts[pi]) > 2 else job.prompts[pi][0]  # type: ignore[misc]
             queue = await _add(state, slot, rid_of(index), prompt, _choice_params(job.params, i), job,
-                               None if single else merged, index)
+                               None if single else merged, index, None if single else base)
             if single:
                 run.direct = queue
 
