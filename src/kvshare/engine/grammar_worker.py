@@ -31,7 +31,7 @@ from typing import Any
 
 COMPILE_STACK_BYTES = 64 * 2**20  # 20,000 chained Lark rules compile in this; 100,000 do not (SIGSEGV)
 MAX_GRAMMAR_CHARS = 128 * 1024  # a grammar (or JSON schema, as JSON) longer than this is refused unread
-_CHILD_NICE = 10
+_CHILD_NICE = 19  # as the body parser's: the child yields the CPU to the engine
 _REASON_CHARS = 140
 
 
@@ -164,6 +164,11 @@ class GrammarChild:
             except (OSError, EOFError):
                 self._kill()
                 return "err", "the grammar is too complex: compiling it crashed the grammar compiler"
+
+    def start(self) -> None:
+        """Start the child now, unless it runs."""
+        with self._lock:
+            self._running()
 
     def close(self) -> None:
         with self._lock:

@@ -24,9 +24,13 @@ Fairness (issue 36):
 * Groups: sequences with the same ``group`` (the server sets it to the HTTP request's id, so the n
   choices x prompts of one request are one group; a sequence without one is its own group) are
   admitted round-robin — the waiting sequence whose group holds the fewest running sequences goes
-  first, oldest first among equals — and one group holds at most ``max_num_seqs - reserve`` slots
-  (reserve = max(1, max_num_seqs // 8)), so one n=256 request cannot hold every slot while a new
-  client waits. Without groups (every sequence its own) this is the FCFS order above.
+  first, oldest first among equals — and a group is admitted only while it holds fewer than its
+  share, min(``group_cap``, max_num_seqs // the number of groups with work), where ``group_cap`` =
+  max_num_seqs - max(1, max_num_seqs // 8): alone, an n=256 request fills all but the reserve; beside
+  6 streams it takes its seventh, so it neither holds every slot while a new client waits nor
+  slows the streams by multiplying the batch. Nothing is preempted for fairness: a group over its
+  share (it came first) just takes no new slot until its sequences finish. Without groups (every
+  sequence its own) this is the FCFS order above.
 
 Invariants: a scheduled chunk has length >= 1; the blocks for ``num_computed + length`` tokens are
 allocated before the step runs; the total scheduled tokens are <= ``max_num_batched_tokens``.
@@ -158,8 +162,10 @@ class Scheduler:
         counts: dict[str, int] = {}
         for s in self.running:
             counts[group_of(s)] = counts.get(group_of(s), 0) + 1
+        groups = len(set(counts) | {group_of(s) for s in self.waiting})
+        cap = min(self.group_cap, max(1, self.max_num_seqs // max(1, groups)))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting(counts)
+            seq = self._next_waiting(counts, cap)
             if seq is None or seq in out.preempted:
                 break  # do not readmit a victim in the step that evicted it
             hit = self.prefix.lookup(seq)
@@ -188,13 +194,13 @@ class Scheduler:
                 prefill_left -= n
         return out
 
-    def _next_waiting(self, counts: dict[str, int]) -> Sequence | None:
-        """The waiting sequence to admit next: of the groups under `group_cap`, the one holding the
-        fewest running sequences; the oldest of it (None when every waiting group is at its cap)."""
+    def _next_waiting(self, counts: dict[str, int], cap: int) -> Sequence | None:
+        """The waiting sequence to admit next: of the groups under `cap`, the one holding the fewest
+        running sequences; the oldest of it (None when every waiting group is at its cap)."""
         best, best_count = None, None
         for seq in self.waiting:
             c = counts.get(group_of(seq), 0)
-            if c >= self.group_cap or (best_count is not None and c >= best_count):
+            if c >= cap or (best_count is not None and c >= best_count):
                 continue
             best, best_count = seq, c
             if c == 0:

@@ -132,6 +132,20 @@ class StructuredOutputs:
                 self._lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
         return llguidance
 
+    def start(self) -> None:
+        """Build the token table and start the compile child now (the server's start-up, on a worker
+        thread), so the first grammar does not pay for them; a no-op without llguidance."""
+        try:
+            self._llg()
+        except RequestError:
+            return
+        with self._lock:
+            if self._child is None:
+                assert self._setup is not None
+                self._child = GrammarChild(self._setup)
+            child = self._child
+        child.start()
+
     def submit(self, spec: StructuredSpec) -> concurrent.futures.Future:
         """`compile(spec)` on this object's compile thread; the future holds the Compiled (or the
         RequestError)."""

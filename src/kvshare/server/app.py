@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -71,12 +72,17 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.event_loop = asyncio.get_running_loop()
         parser.start()  # its imports (~1.5 s of CPU) now, not during the first burst of large bodies
+        structured = getattr(engine, "structured", None)
+        if hasattr(structured, "start"):  # the grammar compile child, likewise (in the background)
+            threading.Thread(target=structured.start, name="kvshare-grammar-start", daemon=True).start()
         loop.start()
         try:
             yield
         finally:
             loop.stop(timeout=2.0)  # a stuck engine thread (a daemon) must not hold the exit
             parser.close()
+            if hasattr(structured, "close"):
+                structured.close()
 
     app = FastAPI(title="kvshare", lifespan=lifespan)
     app.state.kvshare = state
