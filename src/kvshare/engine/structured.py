@@ -40,7 +40,7 @@ from kvshare.engine.grammar_worker import MAX_GRAMMAR_CHARS, GrammarChild, Vocab
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.errors import RequestError
 
-_CACHE_SIZE = 64
+_CACHE_SIZE = 16  # a compiled grammar can hold ~100 MB of lexer states ((a{1000}){10}: 139 MB)
 
 
 def _key(spec: StructuredSpec) -> tuple[str, str]:
