@@ -138,13 +138,24 @@ def test_grammars_compile_off_the_engine_thread_once_per_request(server: Backgro
         if not name.startswith("_"):
             setattr(spy, name, getattr(real, name))
     monkeypatch.setattr(llguidance, "LLMatcher", spy)
+    from kvshare.engine.structured import StructuredOutputs
+
+    real_compile = StructuredOutputs._compile
+    callers: list[str] = []  # the thread that waits for each compile
+
+    def compile_spy(self: Any, spec: Any) -> Any:
+        callers.append(threading.current_thread().name)
+        return real_compile(self, spec)
+
+    monkeypatch.setattr(StructuredOutputs, "_compile", compile_spy)
     body = {"prompt": "x", "n": 4, "max_tokens": 6, "temperature": 1.0, "seed": 3,
             "structured_outputs": {"regex": "q[0-9]{3}z"}}
     r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert all(c["text"].startswith("q") for c in r.json()["choices"])
     assert threads and "kvshare-engine-loop" not in threads, threads
-    assert len(threads) == 1, threads
+    assert len(threads) == 1, threads  # one matcher built; the 4 choices copy it
+    assert callers == [callers[0]] and callers[0] != "kvshare-engine-loop", callers
 
 
 # ---- 3. stop strings ------------------------------------------------------------------------------------------
