@@ -177,6 +177,7 @@ def test_requests_with_and_without_speculation_share_a_step():
     """A prefill chunk, a request with 1 token left (no drafts) and verifying requests in one step."""
     model, prompts, refs = model_and_prompts()
     eng = LLMEngine(model, speculative_config=SPEC, block_size=8, num_blocks=40, max_num_batched_tokens=64)
+    eng.scheduler.prefill_tokens_with_decodes = 64  # c's whole prompt beside the decodes (default: 16 a step)
     eng.speculator.draft_override = oracle(refs, prompts, 5, model.cfg.vocab_size)
     eng.add_request("a", prompts[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     eng.add_request("b", prompts[2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))

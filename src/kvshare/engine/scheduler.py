@@ -49,9 +49,11 @@ from kvshare.engine.step_plan import ScheduledChunk, StepPlan
 
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "SchedulerOutput"]
 
-# Prefill tokens per step while decodes run: the shipped model on 2 shared cores computes ~1 ms per
-# prefill token, so a step with decodes in it stays near 0.25 s (2,048 tokens gave victims 2.3 s gaps).
-PREFILL_TOKENS_WITH_DECODES = 192
+# Prefill tokens per step while decodes run. Measured on the shipped model, 1 thread, 6 decodes
+# (median step): decodes alone 27 ms; + 16 prefill tokens 49 ms; + 32: 64 ms; + 64: 102 ms; + 192:
+# 243 ms (2,048 gave victims 2.3 s gaps). 16 keeps the decodes at >= 0.5 of their rate (the issue's
+# target) while a long prompt prefills beside them, at ~0.33 prefill tokens per ms (vs ~0.9 alone).
+PREFILL_TOKENS_WITH_DECODES = 16
 
 
 def group_of(seq: Sequence) -> str:
