@@ -5,6 +5,12 @@ ends (finished, failed, or the client went away); a request past the limit gets 
 that disconnects — mid-stream or while waiting for a whole reply — has its engine request
 aborted, which frees its cache blocks.
 
+Before its choices reach the engine, a request's grammar is compiled on the engine's compile
+thread (`_compile_grammar`: 400 for a grammar refused or one no id of `allowed_token_ids` can
+start) and its stop strings become one automaton (`stop_match`, built on a worker thread when
+long), both shared by its choices. The choices of one request form one admission group in the
+scheduler (`EngineLoop.add(group=...)`), so n x prompts count as the sequences they are.
+
 Shutdown: `ServerState.begin_drain(timeout_s)` refuses new requests with a 503 and lets those in
 flight finish; at the deadline each one still open gets a `ShuttingDown` on its queue, so a
 stream ends with a final error event and ``data: [DONE]`` and a whole reply gets a 503 — even
