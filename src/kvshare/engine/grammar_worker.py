@@ -148,7 +148,7 @@ class GrammarChild:
 
     def check(self, kind: str, value: Any, cpu_limit_s: float) -> tuple[str, str]:
         """The child's answer for one spec; ("err", reason) when it crashed or ran out of time."""
-        from kvshare.server.body_parser import _CpuTimeout, _exchange
+        from kvshare.engine.child_pipe import _CpuTimeout, _exchange
 
         payload = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
@@ -181,7 +181,7 @@ class GrammarChild:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
         self._proc = subprocess.Popen([sys.executable, "-m", "kvshare.engine.grammar_worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env, close_fds=True, bufsize=0)
-        from kvshare.server.body_parser import _send
+        from kvshare.engine.child_pipe import _send
 
         _send(self._proc.stdin, self._setup)  # type: ignore[arg-type]
         return self._proc
@@ -202,7 +202,7 @@ def _serve() -> None:
     """The child: read the vocabulary, then answer one spec per message until stdin closes."""
     import llguidance
 
-    from kvshare.server.body_parser import _HEADER, _read_exact, _send
+    from kvshare.engine.child_pipe import _HEADER, _read_exact, _send
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     head = stdin.read(_HEADER.size)
