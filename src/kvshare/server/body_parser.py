@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
