@@ -50,10 +50,12 @@ from kvshare.engine.step_plan import ScheduledChunk, StepPlan
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "SchedulerOutput"]
 
 # Prefill tokens per step while decodes run. Measured on the shipped model, 1 thread, 6 decodes
-# (median step): decodes alone 27 ms; + 16 prefill tokens 49 ms; + 32: 64 ms; + 64: 102 ms; + 192:
-# 243 ms (2,048 gave victims 2.3 s gaps). 16 keeps the decodes at >= 0.5 of their rate (the issue's
-# target) while a long prompt prefills beside them, at ~0.33 prefill tokens per ms (vs ~0.9 alone).
-PREFILL_TOKENS_WITH_DECODES = 16
+# (median step), quiet machine: decodes alone 9.8 ms; + 8 prefill tokens 13.7 ms; + 12: 15.3 ms;
+# + 16: 17.0 ms; + 32: 26.0 ms (loaded, load ~9: 27 ms alone, + 16: 49 ms, + 192: 243 ms; 2,048 gave
+# victims 2.3 s gaps). 12 keeps the decodes above half their rate (the target, with the
+# server's own overhead on top) while a long prompt prefills beside them, at ~0.8 prefill tokens
+# per ms (~0.9 alone).
+PREFILL_TOKENS_WITH_DECODES = 12
 
 
 def group_of(seq: Sequence) -> str:
