@@ -156,7 +156,7 @@ def test_nothing_grows_per_request_in_the_servers_state(server: BackgroundServer
 
 
 # Bounded by time, not by requests: the steps of the last `metrics._RATE_WINDOW_S` seconds (the rates).
-_TIMED = {"state.metrics._recent", "state.metrics._recent_prompt"}
+_TIMED = {"state.metrics._recent", "state.metrics._recent_prompt", "state.loop._recent"}  # bounded windows
 # The executor's plan of the step before (one step, replaced by the next): its sizes are those of
 # whichever request came last.
 _LAST_STEP = ".executor._last."

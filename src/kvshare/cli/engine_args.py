@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most sequences batched in one step (continuous batching width)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="most tokens processed in one step; longer prompts are prefilled in chunks")
+    g.add_argument("--prefill-tokens-with-decodes", type=positive_int, default=None, metavar="N",
+                   help="prefill tokens per step while other requests decode, so their streams keep "
+                        "their pace (default: no cap; `serve`: 12)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + completion accepted (default: the model's max positions)")
     g.add_argument("--no-share-kv-cache", dest="share_kv_cache", action="store_false", default=True,
@@ -88,6 +91,7 @@ _ENGINE_KEYS = {
     "num_blocks": "num_blocks",
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
+    "prefill_tokens_with_decodes": "prefill_tokens_with_decodes",
     "max_model_len": "max_model_len",
     "share_kv_cache": "share_kv_cache",
     "quantize": "quantize",

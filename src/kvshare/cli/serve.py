@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     access = AccessPolicy(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                           public_metrics=args.public_metrics, allowed_hosts=list(args.allowed_hosts or []),
                           cors_origins=list(args.cors_origins or []))
+    if getattr(args, "prefill_tokens_with_decodes", None) is None:  # streams keep their pace beside long prompts
+        from kvshare.engine.scheduler import PREFILL_TOKENS_WITH_DECODES
+
+        args.prefill_tokens_with_decodes = PREFILL_TOKENS_WITH_DECODES
     engine = build_engine(args)
     app = create_app(
         engine,

@@ -46,6 +46,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_checkpoint_bytes: int | None = None  # checkpoint store budget; None: see cache_plan.checkpoint_budget
     batch_invariant: bool | None = None  # None: `resolve_batch_invariant`
+    #: prefill tokens per step while any sequence decodes (`Scheduler`, fair steps); None: no cap
+    #: (offline throughput); `kvshare serve` defaults to `scheduler.PREFILL_TOKENS_WITH_DECODES`
+    prefill_tokens_with_decodes: int | None = None
     #: which implementations the model binds (`kvshare.layers.switches.resolve`): "auto", "native", "torch"
     kernels: str = "auto"
     #: per-field `KernelChoice` overrides (tests; the ``KVSHARE_*`` switches arrive here via `switches.from_env`)

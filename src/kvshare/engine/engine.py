@@ -103,6 +103,7 @@ class LLMEngine:
             self.executor.observers.append(self.prefix_caching)
         self.scheduler = Scheduler(self.blocks, slots, args.max_num_batched_tokens, args.chunked_prefill,
                                    self.prefix_caching)
+        self.scheduler.prefill_tokens_with_decodes = args.prefill_tokens_with_decodes
         sampler = Sampler(self.device, args.seed or 0)
         eos = set(self.cfg.eos_token_ids)
         if tokenizer is not None:

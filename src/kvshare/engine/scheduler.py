@@ -15,6 +15,24 @@ Policy (FCFS, oldest first):
    and free blocks allow. Admission never preempts. With prefix caching (``prefix``), a sequence is
    admitted at its hit boundary H (blocks and checkpoint adopted) and computes ``[H, n)``.
 
+Fairness (issue 36):
+
+* Fair steps (with chunked prefill): while any running sequence is decoding (one token left to compute), the prefill
+  chunks of a step share at most ``prefill_tokens_with_decodes`` tokens (None: no cap, the offline
+  default, for throughput; `kvshare serve` sets `PREFILL_TOKENS_WITH_DECODES`), so a long prompt is
+  spread over steps that each stay short and running decodes keep their pace; a step without
+  decodes still takes the whole ``max_num_batched_tokens``.
+* Groups: sequences with the same ``group`` (the server sets it to the HTTP request's id, so the n
+  choices x prompts of one request are one group; a sequence without one is its own group) are
+  admitted round-robin — the waiting sequence whose group holds the fewest running sequences goes
+  first, oldest first among equals — and a group is admitted only while it holds fewer than its
+  share, min(``group_cap``, max_num_seqs // the number of groups with work), where ``group_cap`` =
+  max_num_seqs - max(1, max_num_seqs // 8): alone, an n=256 request fills all but the reserve; beside
+  6 streams it takes its seventh, so it neither holds every slot while a new client waits nor
+  slows the streams by multiplying the batch. Nothing is preempted for fairness: a group over its
+  share (it came first) just takes no new slot until its sequences finish. Without groups (every
+  sequence its own) this is the FCFS order above.
+
 Invariants: a scheduled chunk has length >= 1; the blocks for ``num_computed + length`` tokens are
 allocated before the step runs; the total scheduled tokens are <= ``max_num_batched_tokens``.
 """
@@ -31,6 +49,19 @@ from kvshare.engine.sequence import Sequence, SequenceStatus
 from kvshare.engine.step_plan import ScheduledChunk, StepPlan
 
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "SchedulerOutput"]
+
+# Prefill tokens per step while decodes run. Measured on the shipped model, 1 thread, 6 decodes
+# (median step), quiet machine: decodes alone 9.8 ms; + 8 prefill tokens 13.7 ms; + 12: 15.3 ms;
+# + 16: 17.0 ms; + 32: 26.0 ms (loaded, load ~9: 27 ms alone, + 16: 49 ms, + 192: 243 ms; 2,048 gave
+# victims 2.3 s gaps). 12 keeps the decodes above half their rate (the issue's target, with the
+# server's own overhead on top) while a long prompt prefills beside them, at ~0.8 prefill tokens
+# per ms (~0.9 alone). The server's default (`kvshare serve`); offline engines take no cap.
+PREFILL_TOKENS_WITH_DECODES = 12
+
+
+def group_of(seq: Sequence) -> str:
+    """The admission group of `seq`: its `group` attribute when set, else its own request id."""
+    return getattr(seq, "group", None) or seq.request_id
 
 
 # The plan's types live in step_plan.py; ``SchedulerOutput`` is the plan's former name.
@@ -51,6 +82,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival_order
         self.running: list[Sequence] = []  # sorted by arrival_order
         self.num_preemptions = 0
+        self.prefill_tokens_with_decodes: int | None = None  # (EngineArgs.prefill_tokens_with_decodes)
+        self.group_cap = max(1, self.max_num_seqs - max(1, self.max_num_seqs // 8))
         # engine/prefix_caching.PrefixCaching, or its null object when prefix caching is off
         self.prefix = prefix if prefix is not None else NoPrefixCaching()
 
@@ -104,10 +137,17 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         out = StepPlan()
         budget = self.max_num_batched_tokens
+        decoding = any(s.num_uncomputed == 1 for s in self.running)
+        share = self.prefill_tokens_with_decodes
+        prefill_left = min(budget, share) if decoding and self.chunked_prefill and share is not None else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            want = min(seq.num_uncomputed, budget)
+            prefill = seq.num_uncomputed > 1
+            want = min(seq.num_uncomputed, budget, prefill_left if prefill else budget)
+            if want == 0:  # a prefill past this step's share: it goes on next step
+                i += 1
+                continue
             n = self._fit(seq, want)
             while n < want and (n == 0 or not self.chunked_prefill):
                 victim = self.running[-1]
@@ -121,21 +161,31 @@ class Scheduler:
             self.blocks.grow(seq.slot, seq.num_computed + n)  # type: ignore[arg-type]
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            if prefill:
+                prefill_left -= n
             i += 1
 
+        counts: dict[str, int] = {}
+        for s in self.running:
+            counts[group_of(s)] = counts.get(group_of(s), 0) + 1
+        groups = len(set(counts) | {group_of(s) for s in self.waiting})
+        cap = min(self.group_cap, max(1, self.max_num_seqs // max(1, groups)))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq in out.preempted:
+            seq = self._next_waiting(counts, cap)
+            if seq is None or seq in out.preempted:
                 break  # do not readmit a victim in the step that evicted it
             hit = self.prefix.lookup(seq)
             todo = seq.num_tokens - (hit.boundary if hit is not None else 0)
-            want = min(todo, budget)
+            want = min(todo, budget, prefill_left if todo > 1 else budget)
+            if want == 0:
+                break
             if not self.chunked_prefill and want < todo:
                 break
             n = self._fit(seq, want, hit)
             if n < want and (n == 0 or not self.chunked_prefill):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
+            counts[group_of(seq)] = counts.get(group_of(seq), 0) + 1
             seq.slot = self.blocks.open_slot()
             seq.status = SequenceStatus.RUNNING
             if hit is not None:
@@ -146,7 +196,22 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival_order)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
+            if todo > 1:
+                prefill_left -= n
         return out
+
+    def _next_waiting(self, counts: dict[str, int], cap: int) -> Sequence | None:
+        """The waiting sequence to admit next: of the groups under `cap`, the one holding the fewest
+        running sequences; the oldest of it (None when every waiting group is at its cap)."""
+        best, best_count = None, None
+        for seq in self.waiting:
+            c = counts.get(group_of(seq), 0)
+            if c >= cap or (best_count is not None and c >= best_count):
+                continue
+            best, best_count = seq, c
+            if c == 0:
+                break
+        return best
 
     def requeue(self, seq: Sequence) -> None:
         """Drop a running sequence's cache state and queue it to recompute (after a failed step)."""

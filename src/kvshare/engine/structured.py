@@ -9,8 +9,15 @@ xgrammar computes mask + accept in 1.2 us per token, llguidance in 23.3 us (comp
 23 us per constrained row per step is small next to a model step, and llguidance needs no
 other package (xgrammar pulls triton and apache-tvm-ffi).
 
-Per request (a `StructuredSpec` in ``SamplingParams.structured``): an `LLMatcher` built at
-admission (a bad grammar is a RequestError naming the request field). Each step:
+Compiling (issue 36): a grammar is first tried in a child process (`grammar_worker`: a grammar
+that crashes llguidance — 3,000 chained Lark rules overflow an 8 MiB stack — costs only its
+request), then compiled here on a thread with a 64 MiB stack, with llguidance's limits, at most
+MAX_GRAMMAR_CHARS long; the result (errors too) is cached by grammar. The server compiles before
+admission on this object's compile thread (`submit`) and hands the `Compiled` to every choice in
+``spec.compiled``; `add` then only copies its start-state matcher, so the engine thread never
+waits for a compile. A bad grammar is a one-line RequestError naming the request field.
+
+Per request (a `StructuredSpec` in ``SamplingParams.structured``), each step:
 
 * ``masks(request_ids)``: per sampled row the bool [V] of allowed ids (None for other rows); the
   sampler's processors set every other logit to -inf (`logits_processors.py`), greedy and random
@@ -27,15 +34,30 @@ JSON is compact (no free whitespace), so a document takes few tokens.
 
 from __future__ import annotations
 
-import re
+import concurrent.futures
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvshare.engine.json_schema import closed
+from kvshare.engine.grammar_worker import MAX_GRAMMAR_CHARS, GrammarChild, Vocab, limits, on_big_stack, one_line
 from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.errors import RequestError
 
+_CACHE_SIZE = 16  # a compiled grammar can hold ~100 MB of lexer states ((a{1000}){10}: 139 MB)
+
+
+def _key(spec: StructuredSpec) -> tuple[str, str]:
+    """The cache key of a spec: its kind and its value as canonical JSON text."""
+    value = spec.value if isinstance(spec.value, str) else json.dumps(spec.value, sort_keys=True)
+    return spec.kind, value
+
+
+def _bad(spec: StructuredSpec, reason: str) -> RequestError:
+    return RequestError(f"invalid sampling params: {spec.field}: {reason}")
 
 
 def token_table(tokenizer: Any, vocab_size: int) -> tuple[list[bytes], list[int]]:
@@ -58,26 +80,43 @@ def token_table(tokenizer: Any, vocab_size: int) -> tuple[list[bytes], list[int]
     return table, special
 
 
-class _Vocab:
-    """What llguidance's TokenizerWrapper reads: token bytes, eos, bos, special ids, and encode."""
+@dataclass
+class Compiled:
+    """One compiled grammar: a matcher in its start state (never advanced: each request gets a
+    `deep_copy`) and its first mask (bool [V]); shared by every request with the same grammar."""
 
-    def __init__(self, tokens: list[bytes], eos: int, bos: int | None, special: list[int], encode: Any) -> None:
-        self.tokens, self.eos_token_id, self.bos_token_id, self.special_token_ids = tokens, eos, bos, special
-        self._encode = encode
+    grammar: str
+    matcher: Any
+    mask: torch.Tensor
+    accepting: bool  # the empty output is complete (only a stop id may come first)
 
-    def __call__(self, s: bytes | str) -> list[int]:
-        return list(self._encode(s.decode("utf-8", "replace") if isinstance(s, bytes) else s))
+    def first_ids_fit(self, allowed: Any) -> bool:
+        """Whether some id of `allowed` may start the output (or the grammar accepts no output)."""
+        return self.accepting or any(0 <= i < len(self.mask) and bool(self.mask[i]) for i in allowed)
 
 
 class StructuredOutputs:
-    """The engine's grammar matchers, by request id."""
+    """The engine's grammar matchers, by request id, and the compiled grammars they start from.
+
+    Compiling (`compile`, `submit`) is thread-safe and runs off the engine thread when the server
+    calls `submit` before admission (the spec then carries its `Compiled`, and `add` only copies
+    the matcher). Every grammar goes through the child process first (`grammar_worker`), then is
+    compiled here on a COMPILE_STACK_BYTES thread with the same limits; results — errors too — are
+    cached by grammar (`_CACHE_SIZE` entries, least recently used dropped).
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._lt: Any = None
+        self._setup: tuple | None = None
+        self._child: GrammarChild | None = None
         self._matchers: dict[str, Any] = {}
         self._masks: dict[str, torch.Tensor] = {}  # next-step mask of each request (computed after accept)
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._lock = threading.Lock()  # the tokenizer, the child handle and the cache
+        self._cache: OrderedDict[tuple[str, str], Compiled | str] = OrderedDict()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.compile_cpu_s = 10.0
 
     # ---- compile ---------------------------------------------------------------------------------
     def _llg(self) -> Any:
@@ -86,56 +125,112 @@ class StructuredOutputs:
             import llguidance.torch  # noqa: F401
         except ImportError as e:
             raise RequestError("structured output needs llguidance: pip install 'kvshare[structured]'") from e
-        if self._lt is None:
-            if self.tokenizer is None:
-                raise RequestError("structured output needs the model's tokenizer")
-            table, special = token_table(self.tokenizer, self.vocab_size)
-            eos = self.eos_ids[0] if self.eos_ids else len(table)
-            if not self.eos_ids:  # a stand-in eos past the vocabulary (masked off: never sampled)
-                table, special = table + [b""], special + [eos]
-            vocab = _Vocab(table, eos, getattr(self.tokenizer, "bos_token_id", None), special,
-                           self.tokenizer.encode)
-            self._lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
+        with self._lock:
+            if self._lt is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured output needs the model's tokenizer")
+                table, special = token_table(self.tokenizer, self.vocab_size)
+                eos = self.eos_ids[0] if self.eos_ids else len(table)
+                if not self.eos_ids:  # a stand-in eos past the vocabulary (masked off: never sampled)
+                    table, special = table + [b""], special + [eos]
+                bos = getattr(self.tokenizer, "bos_token_id", None)
+                vocab = Vocab(table, eos, bos, special, self.tokenizer.encode)
+                self._setup = (table, eos, bos, special, self.tokenizer)
+                self._lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
         return llguidance
+
+    def start(self) -> None:
+        """Build the token table and start the compile child now (the server's start-up, on a worker
+        thread), so the first grammar does not pay for them; a no-op without llguidance."""
+        try:
+            self._llg()
+        except RequestError:
+            return
+        with self._lock:
+            if self._child is None:
+                assert self._setup is not None
+                self._child = GrammarChild(self._setup)
+            child = self._child
+        child.start()
+
+    def submit(self, spec: StructuredSpec) -> concurrent.futures.Future:
+        """`compile(spec)` on this object's compile thread; the future holds the Compiled (or the
+        RequestError)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvshare-grammar")
+        return self._pool.submit(self.compile, spec)
+
+    def compile(self, spec: StructuredSpec) -> Compiled:
+        """The compiled grammar of `spec` (from the cache when seen before); RequestError naming its
+        field, in one line, when it is too large, not valid, or too complex for llguidance."""
+        if isinstance(spec.compiled, Compiled):
+            return spec.compiled
+        key = _key(spec)
+        if len(key[1]) > MAX_GRAMMAR_CHARS:
+            raise _bad(spec, f"the grammar has {len(key[1])} characters (at most {MAX_GRAMMAR_CHARS})")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            hit = self._compile(spec)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, str):
+            raise _bad(spec, hit)
+        return hit
+
+    def _compile(self, spec: StructuredSpec) -> Compiled | str:
+        """A new Compiled, or the one-line reason the grammar is refused."""
+        llg = self._llg()
+        with self._lock:
+            if self._child is None:
+                assert self._setup is not None
+                self._child = GrammarChild(self._setup)
+            child = self._child
+        status, text = child.check(spec.kind, spec.value, self.compile_cpu_s)
+        if status != "ok":
+            return "the grammar admits no text" if "NoExtensionBias" in text else text
+
+        def build() -> Compiled | str:
+            m = llg.LLMatcher(self._lt, text, log_level=0, limits=limits())
+            if m.is_error():
+                return "the grammar is not valid: " + one_line(m.get_error())
+            mask = self._mask(m)
+            if m.is_error():
+                return "the grammar is not usable: " + one_line(m.get_error())
+            allowed = mask.clone()
+            allowed[self.eos_ids] = False
+            accepting = bool(m.is_accepting())
+            if not accepting and not bool(allowed.any()):
+                return "no token of this model's vocabulary can start text the grammar accepts"
+            return Compiled(text, m, mask, accepting)
+
+        return on_big_stack(build)
+
+    def close(self) -> None:
+        """Stop the compile child and thread (a later grammar starts them again)."""
+        with self._lock:
+            child, self._child = self._child, None
+            pool, self._pool = self._pool, None
+        if child is not None:
+            child.close()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def grammar(self, spec: StructuredSpec) -> str:
         """The llguidance grammar of `spec`; RequestError naming its field when it is not valid."""
-        llg = self._llg()
-        m = llg.LLMatcher
-        try:
-            if spec.kind == "json":
-                g = m.grammar_from_json_schema(closed(spec.value), defaults={"whitespace_flexible": False})
-            elif spec.kind == "json_object":
-                g = m.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
-            elif spec.kind == "regex":
-                g = m.grammar_from_regex(spec.value)
-            elif spec.kind == "choice":
-                g = m.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in spec.value))
-            elif spec.kind == "grammar":
-                text = spec.value
-                if "::=" in text:  # GBNF (llama.cpp / vLLM's EBNF): convert to Lark
-                    from llguidance.gbnf_to_lark import gbnf_to_lark
-
-                    text = gbnf_to_lark(text)
-                g = m.grammar_from_lark(text)
-            else:
-                raise RequestError(f"invalid sampling params: {spec.field}: unknown kind {spec.kind!r}")
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise RequestError(f"invalid sampling params: {spec.field}: {e}") from None
-        err = m.validate_grammar(g, self._lt)
-        if err:
-            raise RequestError(f"invalid sampling params: {spec.field}: the grammar is not valid: {err.strip()}")
-        return g
+        return self.compile(spec).grammar
 
     # ---- per request -----------------------------------------------------------------------------
     def add(self, request_id: str, spec: StructuredSpec) -> None:
-        """Build the matcher of a new request."""
-        llg = self._llg()
-        m = llg.LLMatcher(self._lt, self.grammar(spec))
-        if m.is_error():
-            raise RequestError(f"invalid sampling params: {spec.field}: {m.get_error()}")
-        self._matchers[request_id] = m
-        self._masks[request_id] = self._mask(m)
+        """Start the matcher of a new request from the compiled grammar (compiled now if it was not)."""
+        compiled = self.compile(spec)
+        self._matchers[request_id] = compiled.matcher.deep_copy()
+        self._masks[request_id] = compiled.mask
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -160,10 +255,13 @@ class StructuredOutputs:
         if m is None:
             return False
         if not m.consume_token(token):
-            raise RuntimeError(f"structured output: token {token} is not allowed by the grammar: {m.get_error()}")
+            raise RuntimeError(f"structured output: token {token} is not allowed by the grammar "
+                               f"({one_line(m.get_error())})")
         if m.is_stopped():
             return True
         mask = self._mask(m)
+        if m.is_error():  # a lexer limit reached mid-output: this request fails, with one line
+            raise RuntimeError(f"structured output: the grammar is too complex ({one_line(m.get_error())})")
         self._masks[request_id] = mask
         allowed = mask.clone()
         allowed[self.eos_ids] = False

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -31,7 +32,7 @@ from kvshare.server.body_parser import BodyParser
 from kvshare.server.engine_loop import EngineLoop
 from kvshare.server.errors import APIError, internal_error
 from kvshare.server.generation import Job, ServerState, admit, generate
-from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits
+from kvshare.server.limits import MAX_CHARS_PER_TOKEN, OFF_LOOP_BYTES, RequestLimits, check_reply_size
 from kvshare.server.openapi import install_openapi
 from kvshare.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvshare.server.replies import ErrorResponse, ModelCard, ModelList
@@ -39,7 +40,7 @@ from kvshare.engine.structured_spec import StructuredSpec
 from kvshare.server.responses import ReplyOptions
 from kvshare.server.tool_calls import DSML_FORMAT
 from kvshare.server.tool_grammar import tool_grammar
-from kvshare.server.tokenize import tokenize_body
+from kvshare.server.tokenize import tokenize_reply
 from kvshare.server.security import AccessPolicy, install
 
 log = logging.getLogger("kvshare.server")
@@ -72,12 +73,17 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.event_loop = asyncio.get_running_loop()
         parser.start()  # its imports (~1.5 s of CPU) now, not during the first burst of large bodies
+        structured = getattr(engine, "structured", None)
+        if hasattr(structured, "start"):  # the grammar compile child, likewise (in the background)
+            threading.Thread(target=structured.start, name="kvshare-grammar-start", daemon=True).start()
         loop.start()
         try:
             yield
         finally:
             loop.stop(timeout=2.0)  # a stuck engine thread (a daemon) must not hold the exit
             parser.close()
+            if hasattr(structured, "close"):
+                structured.close()
 
     app = FastAPI(title="kvshare", lifespan=lifespan)
     app.state.kvshare = state
@@ -95,6 +101,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
         if loop.stalled(watchdog_timeout_s):
             return APIError(503, f"the engine loop has not advanced for over {watchdog_timeout_s:g} s with "
                                  "requests pending", code="engine_stalled").response()
+        if loop.step_overdue():  # a stopped tensor-parallel worker: seconds, not the step timeout
+            return APIError(503, f"the engine step running now has taken over {loop.overdue_after_s:.3g} s "
+                                 "(4x the longest recent step)", code="engine_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -132,6 +141,10 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             if echo_lps or req.prompt_logprobs is not None:  # echo needs the prompt tokens' logprobs
                 params.prompt_logprobs = (max(req.num_logprobs or 0, req.prompt_logprobs or 0) if echo_lps
                                           else req.prompt_logprobs)
+            if req.echo or req.prompt_logprobs is not None:
+                check_reply_size(limits, req.n * sum(len(p[0]) for p in prompts), params.prompt_logprobs,
+                                 "the echoed prompt" if req.echo else "prompt logprobs",
+                                 "echo" if req.echo else "prompt_logprobs")
             options = ReplyOptions(logprobs=req.num_logprobs, echo=req.echo, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
                                    include_usage=req.include_usage, continuous_usage=req.continuous_usage)
@@ -169,6 +182,9 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = _sampling_params(state, req, max_tokens, len(prompt_ids), "messages")
             params.prompt_logprobs = req.prompt_logprobs
+            if req.prompt_logprobs is not None:
+                check_reply_size(limits, req.n * len(prompt_ids), req.prompt_logprobs, "prompt logprobs",
+                                 "prompt_logprobs")
             params.structured = _tool_constraint(req) or params.structured
             options = ReplyOptions(logprobs=req.num_logprobs, prompt_logprobs=req.prompt_logprobs,
                                    return_token_ids=req.return_token_ids, tokens_as_ids=req.return_tokens_as_token_ids,
@@ -184,9 +200,13 @@ def create_app(engine: Any, tokenizer: Any, model_name: str, *, max_concurrent_r
     @app.post("/tokenize")
     @_guarded(state)
     async def tokenize(request: Request) -> Response:
-        req = await parser.parse(await request.body(), TokenizeRequest)
-        _check_model(state, req.model)
-        return JSONResponse(tokenize_body(state, req))
+        slot = admit(state)  # under the concurrency limit, like generation
+        try:
+            req = await parser.parse(await request.body(), TokenizeRequest)
+            _check_model(state, req.model)
+            return await tokenize_reply(state, req, limits)
+        finally:
+            slot.close()
 
     @app.post("/detokenize")
     @_guarded(state)

@@ -32,31 +32,25 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import pickle
-import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from kvshare.engine.child_pipe import _HEADER, _CpuTimeout, _exchange, _read_exact, _send, _widen
 from kvshare.server.errors import APIError, from_validation_error
 from kvshare.server.limits import OFF_LOOP_BYTES, RequestLimits, parse_json
 from kvshare.server.memory import release_free_memory
 
 M = TypeVar("M", bound=BaseModel)
-_HEADER = struct.Struct("<Q")
 _CHILD_NICE = 19  # the child yields the CPU to the engine when both want it (module doc)
 _WALL_FACTOR = 6  # wall time allowed per body, in multiples of its CPU-time limit
-_READ_CHUNK = 1 << 20
-_PIPE_BYTES = 1 << 20  # Linux's default pipe-max-size: a 4 MiB body crosses in 4 writes, not 64
 
 
 def decode_body(raw: bytes, model: type[M], limits: RequestLimits) -> M:
@@ -161,92 +155,6 @@ class BodyParser:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-
-
-def _send(f: BinaryIO, payload: bytes) -> None:
-    f.write(_HEADER.pack(len(payload)))
-    f.write(payload)
-    f.flush()
-
-
-def _read_exact(f: BinaryIO, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        part = f.read(left)
-        if not part:
-            raise EOFError("the pipe closed")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
-
-
-def _widen(f: BinaryIO | None) -> None:
-    """Grow the pipe behind `f` to _PIPE_BYTES where Linux allows (each write wakes the GIL once)."""
-    if f is None or not hasattr(fcntl, "F_SETPIPE_SZ"):
-        return
-    try:
-        fcntl.fcntl(f.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-    except OSError:  # over the system's pipe-max-size: the default size works, in more writes
-        pass
-
-
-class _CpuTimeout(TimeoutError):
-    """The child used more CPU time on one body than the limit allows."""
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process `pid` in seconds, from /proc; None where unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _exchange(proc: subprocess.Popen, payload: bytes, cpu_limit_s: float, wall_limit_s: float) -> Any:
-    """Send `payload` to the child and return its unpickled reply.
-
-    Writing and reading are interleaved without blocking (the child may answer before it has read
-    everything, e.g. a crash), so a stopped child cannot hang the caller. Raises _CpuTimeout once
-    the child has spent over `cpu_limit_s` of CPU since the call began (wall time where /proc is
-    missing), TimeoutError after `wall_limit_s`, EOFError when the child closes its end.
-    """
-    assert proc.stdin is not None and proc.stdout is not None
-    out_fd, in_fd = proc.stdin.fileno(), proc.stdout.fileno()
-    os.set_blocking(out_fd, False)
-    pending = [memoryview(_HEADER.pack(len(payload))), memoryview(payload)]
-    reply = bytearray()
-    size: int | None = None
-    cpu0 = _cpu_seconds(proc.pid)
-    start = time.monotonic()
-    poll_s = min(0.1, cpu_limit_s / 4)
-    while True:
-        readable, writable, _ = select.select([in_fd], [out_fd] if pending else [], [], poll_s)
-        if writable:
-            try:
-                n = os.write(out_fd, pending[0])
-            except BlockingIOError:  # the pipe filled up between select and write
-                n = 0
-            pending[0] = pending[0][n:]
-            if not len(pending[0]):
-                pending.pop(0)
-        if readable:
-            part = os.read(in_fd, _READ_CHUNK)
-            if not part:
-                raise EOFError("the pipe closed")
-            reply += part
-            if size is None and len(reply) >= _HEADER.size:
-                size = _HEADER.size + _HEADER.unpack_from(reply)[0]
-            if size is not None and len(reply) >= size:
-                return pickle.loads(memoryview(reply)[_HEADER.size:size])
-        waited = time.monotonic() - start
-        cpu = _cpu_seconds(proc.pid)
-        used = waited if cpu is None or cpu0 is None else cpu - cpu0
-        if used > cpu_limit_s:
-            raise _CpuTimeout
-        if waited > wall_limit_s:
-            raise TimeoutError
 
 
 def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:

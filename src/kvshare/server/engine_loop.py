@@ -22,12 +22,19 @@ stay in malloc's per-thread arenas).
 
 Watchdog: `progress_at` is the monotonic time the loop last finished a step or idled; `stalled(s)`
 says whether work is pending and the loop has not advanced for `s` seconds (an engine stuck in
-a step), which /health reports as a 503.
+a step), which /health reports as a 503. `step_overdue()` says sooner whether the step running
+now has taken far longer than the recent ones (`overdue_after_s`: 4x the longest of the last
+_RECENT_STEPS steps, at least _MIN_OVERDUE_S): a stopped tensor-parallel worker turns /health 503
+within seconds, not after the worker's step timeout.
+
+Groups: `add(..., group=...)` marks the engine sequence with its HTTP request's id, so the
+scheduler admits the choices of one request as one group (engine/scheduler.py, Fairness).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -43,6 +50,9 @@ log = logging.getLogger("kvshare.server")
 _IDLE_WAIT_S = 0.05
 _TRIM_EVERY_S = 1.0
 _MAX_BACKOFF_S = 1.0
+_RECENT_STEPS = 64
+_MIN_OVERDUE_S = 5.0
+_OVERDUE_FACTOR = 4.0
 
 
 @dataclass
@@ -80,6 +90,8 @@ class EngineLoop:
         self._pending = 0  # requests in flight, as last seen by the engine thread
         self._freed = False  # requests ended since the last heap trim
         self._trimmed_at = 0.0
+        self.step_started_at: float | None = None  # monotonic start of the step running now
+        self._recent: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)  # step durations
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -108,10 +120,20 @@ class EngineLoop:
         busy = self._pending > 0 or not self._cmds.empty()
         return busy and time.monotonic() - self.progress_at > timeout_s
 
+    @property
+    def overdue_after_s(self) -> float:
+        """How long one step may run before `step_overdue` says so."""
+        return max(_MIN_OVERDUE_S, _OVERDUE_FACTOR * max(self._recent, default=0.0))
+
+    def step_overdue(self) -> bool:
+        """Whether the step running now has run longer than `overdue_after_s`."""
+        started = self.step_started_at
+        return started is not None and time.monotonic() - started > self.overdue_after_s
+
     # ---- called from the event loop ----------------------------------------------------------
 
     async def add(self, request_id: str, prompt: str | list[int], params: Any,
-                  cache_salt: str | None = None) -> asyncio.Queue:
+                  cache_salt: str | None = None, group: str | None = None) -> asyncio.Queue:
         """Add a request; return the queue its outputs arrive on.
 
         Raises whatever `engine.add_request` raised (`RequestError` for bad input).
@@ -121,7 +143,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done: asyncio.Future = loop.create_future()
-        self._cmds.put(("add", request_id, prompt, params, cache_salt, _Stream(loop, q), done))
+        self._cmds.put(("add", request_id, prompt, params, cache_salt, group, _Stream(loop, q), done))
         self._wake.set()
         await done
         return q
@@ -175,7 +197,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _call(cmd[4].loop, _resolve, cmd[5], e)
+                _call(cmd[5].loop, _resolve, cmd[6], e)
 
     def _drain_commands(self) -> None:
         changed = False
@@ -192,13 +214,16 @@ class EngineLoop:
         if changed:
             self._refresh_stats()
 
-    def _add(self, rid: str, prompt: str | list[int], params: Any, cache_salt: str | None, stream: _Stream,
-             done: asyncio.Future) -> None:
+    def _add(self, rid: str, prompt: str | list[int], params: Any, cache_salt: str | None, group: str | None,
+             stream: _Stream, done: asyncio.Future) -> None:
         try:
             self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
         except Exception as e:
             _call(stream.loop, _resolve, done, e)
             return
+        seq = getattr(self.engine, "requests", {}).get(rid) if group is not None else None
+        if seq is not None:
+            seq.group = group  # the scheduler's admission group (engine/scheduler.py)
         self._streams[rid] = stream
         self.metrics.on_request_added()
         if not _call(stream.loop, _resolve, done, None):
@@ -231,9 +256,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        self.step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
+            self.step_started_at = None
             if getattr(e, "engine_fatal", False):
                 raise  # `_run` fails every request and stops the loop
             log.exception("engine step failed; failing the %d requests in flight", len(self._streams))
@@ -243,6 +270,8 @@ class EngineLoop:
             self._wake.wait(self._backoff)
             self._wake.clear()
             return
+        self._recent.append(time.monotonic() - self.step_started_at)
+        self.step_started_at = None
         self._backoff = 0.0
         new_tokens = 0
         for out in outputs:

@@ -1,4 +1,9 @@
-"""OpenAI-style errors: one exception type carrying status, message, type, param and code."""
+"""OpenAI-style errors: one exception type carrying status, message, type, param and code.
+
+Invariant: every error message is one line of at most MAX_MESSAGE_CHARS characters (`APIError`
+folds whitespace and cuts longer ones), so no error reply echoes a large input back — a parser
+error quoting a 100,000-group regex, say.
+"""
 
 from __future__ import annotations
 
@@ -25,16 +30,26 @@ _TYPES = {
 }
 
 
+MAX_MESSAGE_CHARS = 200
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` on one line (runs of whitespace folded), cut to `limit` characters with "..."."""
+    line = " ".join(message.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class APIError(Exception):
     """An error reply: `status` plus the fields of OpenAI's error object."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = one_line(message)
         super().__init__(message)
         self.headers = headers
         self.status = status
         self.message = message
-        self.param = param
+        self.param = param if param is None else one_line(param, 100)
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
 
@@ -69,4 +84,4 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 def internal_error(e: BaseException) -> APIError:
     """A 500 for an unexpected failure while serving one request."""
-    return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+    return APIError(500, f"internal error: {type(e).__name__}: {one_line(str(e), 120)}", code="internal_error")

@@ -5,6 +5,12 @@ ends (finished, failed, or the client went away); a request past the limit gets 
 that disconnects — mid-stream or while waiting for a whole reply — has its engine request
 aborted, which frees its cache blocks.
 
+Before its choices reach the engine, a request's grammar is compiled on the engine's compile
+thread (`_compile_grammar`: 400 for a grammar refused or one no id of `allowed_token_ids` can
+start) and its stop strings become one automaton (`stop_match`, built on a worker thread when
+long), both shared by its choices. The choices of one request form one admission group in the
+scheduler (`EngineLoop.add(group=...)`), so n x prompts count as the sequences they are.
+
 Shutdown: `ServerState.begin_drain(timeout_s)` refuses new requests with a 503 and lets those in
 flight finish; at the deadline each one still open gets a `ShuttingDown` on its queue, so a
 stream ends with a final error event and ``data: [DONE]`` and a whole reply gets a 503 — even
@@ -32,10 +38,12 @@ from kvshare.server.errors import APIError, internal_error
 from kvshare.server.metrics import ServerMetrics
 from kvshare.server.protocol import new_id
 from kvshare.server.responses import DONE, ChoiceSpec, ReplyOptions, ResponseBuilder
+from kvshare.server.stop_match import StopPrefixes
 
 log = logging.getLogger("kvshare.server")
 
 _DISCONNECT_POLL_S = 0.25
+_INLINE_STOP_CHARS = 4096
 
 
 @dataclass
@@ -160,12 +168,12 @@ def _choice_params(params: Any, i: int) -> Any:
 
 
 async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], params: Any, job: Job,
-               merged: asyncio.Queue | None, index: int) -> asyncio.Queue:
+               merged: asyncio.Queue | None, index: int, group: str | None = None) -> asyncio.Queue:
     """Add one engine request; return its output queue, and with `merged` forward its outputs there as
     (choice index, item) (a request of one choice reads its queue directly: no extra hop per token)."""
     slot.request_ids.append(rid)
     try:
-        queue = await _engine_add(state, rid, prompt, params, job.cache_salt)
+        queue = await _engine_add(state, rid, prompt, params, job.cache_salt, group)
     except RequestError as e:
         named = re.search(r"invalid sampling params: ([\w.]+)", str(e))
         param = named.group(1) if named else "prompt" if job.kind == "completion" else "messages"
@@ -190,9 +198,9 @@ async def _add(state: ServerState, slot: _Slot, rid: str, prompt: list[int], par
 
 
 async def _engine_add(state: ServerState, rid: str, prompt: str | list[int], params: Any,
-                      cache_salt: str | None) -> asyncio.Queue:
+                      cache_salt: str | None, group: str | None = None) -> asyncio.Queue:
     """`state.loop.add(...)`, which `ServerState.expire` can end with a 503 while the engine is stuck."""
-    adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt))
+    adding = asyncio.ensure_future(state.loop.add(rid, prompt, params, cache_salt, group=group))
     state.adding[rid] = adding
     try:
         return await adding
@@ -235,16 +243,16 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
             pi, i = divmod(index, job.n)
             prompt = job.prompts[pi][2] if len(job.prompts[pi]) > 2 else job.prompts[pi][0]  # type: ignore[misc]
             queue = await _add(state, slot, rid_of(index), prompt, _choice_params(job.params, i), job,
-                               None if single else merged, index)
+                               None if single else merged, index, None if single else base)
             if single:
                 run.direct = queue
 
+        await _compile_grammar(state, job)
         run = _Run(slot, merged, followers, add, rid_of, len(specs))
         for leader in list(followers):
             await add(leader)
         builder = ResponseBuilder(job.kind, base, state.model_name, tokenizer=state.tokenizer,  # type: ignore[arg-type]
-                                  choices=specs, options=job.options,
-                                  stop=list(getattr(job.params, "stop", None) or []))
+                                  choices=specs, options=job.options, stop=await _stop_prefixes(job))
         if job.stream:
             return _GuardedStream(_events(state, run, builder), slot.close)
         try:
@@ -258,6 +266,34 @@ async def generate(state: ServerState, request: Request, job: Job, slot: _Slot |
     finally:
         if not job.stream:
             slot.close()
+
+
+async def _stop_prefixes(job: Job) -> StopPrefixes:
+    """The request's stop-string automaton, built once for all its choices (on a worker thread when
+    the stop strings are long: 256 x 1,024 characters take ~1 s)."""
+    stops = [s for s in (getattr(job.params, "stop", None) or []) if s]
+    if sum(map(len, stops)) <= _INLINE_STOP_CHARS:
+        return StopPrefixes(stops)
+    return await asyncio.to_thread(StopPrefixes, stops)
+
+
+async def _compile_grammar(state: ServerState, job: Job) -> None:
+    """Compile the request's grammar before admission, on the engine's compile thread (never the engine
+    thread), and hand the compiled grammar to every choice through `job.params.structured`; 400 for a
+    grammar refused, or one that no id of `allowed_token_ids` can start."""
+    spec = getattr(job.params, "structured", None)
+    structured = getattr(state.loop.engine, "structured", None)
+    if spec is None or not hasattr(structured, "submit"):
+        return
+    try:
+        compiled = await asyncio.wrap_future(structured.submit(spec))  # type: ignore[union-attr]
+    except RequestError as e:
+        raise APIError(400, str(e), param=spec.field, code="invalid_value") from None
+    allowed = getattr(job.params, "allowed_token_ids", None)
+    if allowed and not compiled.first_ids_fit(allowed):
+        raise APIError(400, f"allowed_token_ids: no id in it can start text that the {spec.field} grammar "
+                            "accepts", param="allowed_token_ids", code="invalid_value")
+    job.params.structured = dataclasses.replace(spec, compiled=compiled)
 
 
 class _Run:

@@ -39,6 +39,23 @@ class RequestLimits:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
+    max_response_bytes: int = 8 * 2**20  # a whole reply (echo, prompt logprobs, /tokenize) estimated larger: 413
+
+
+# Bytes of JSON one prompt token adds to a reply: its text or id, and per logprob entry (chosen + top k).
+REPLY_BYTES_PER_TOKEN = 16
+REPLY_BYTES_PER_LOGPROB = 40
+
+
+def check_reply_size(limits: RequestLimits, tokens: int, logprobs: int | None, what: str, param: str) -> None:
+    """413 when a reply listing `tokens` prompt tokens (each with 1 + `logprobs` logprobs when not None)
+    would pass `limits.max_response_bytes`; checked before the engine runs, from the token counts alone."""
+    per = REPLY_BYTES_PER_TOKEN + (REPLY_BYTES_PER_LOGPROB * (1 + logprobs) if logprobs is not None else 0)
+    size = tokens * per
+    if size > limits.max_response_bytes:
+        raise APIError(413, f"the reply would hold {what} for {tokens} prompt tokens, about {size // 2**20 + 1} MiB, "
+                            f"over the server's response limit of {limits.max_response_bytes // 2**20} MiB "
+                            "(max_response_bytes); ask for less", param=param, code="response_too_large")
 
 
 class _TooLarge(Exception):

@@ -172,6 +172,11 @@ class _SamplingRequest(Ignored):
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX - MAX_CHOICES}]")
         return v
 
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _no_bool_ids(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse_bools(v, info.field_name)
+
     @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _token_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
@@ -211,8 +216,8 @@ class _SamplingRequest(Ignored):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for k, b in v.items():
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {k!r}")
+            if not (k.isascii() and k.isdigit()) or len(k) > 12:  # str.isdigit alone takes "²" and "٣"
+                raise ValueError("logit_bias keys must be token ids written in ASCII decimal digits")
             if not math.isfinite(b) or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {k}")
         return v
@@ -252,6 +257,28 @@ class _SamplingRequest(Ignored):
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
+MAX_SCHEMA_DEPTH = 32  # a JSON schema sent as JSON text: as deep as a body may be (limits.max_json_depth)
+
+
+def _refuse_bools(v: Any, name: str) -> Any:
+    """`v` unchanged; ValueError when it is a list holding a boolean (pydantic's lax int takes true as 1)."""
+    if isinstance(v, list) and any(isinstance(t, bool) for t in v):
+        raise ValueError(f"{name} must be integer token ids, not booleans")
+    return v
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether `value` (decoded JSON) nests containers deeper than `limit` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def structured_spec(response_format: dict[str, Any] | None,
                     structured_outputs: dict[str, Any] | None) -> StructuredSpec | None:
     """The constraint a request asks for: OpenAI's `response_format` or vLLM's `structured_outputs`
@@ -285,8 +312,12 @@ def structured_spec(response_format: dict[str, Any] | None,
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise _field_error(field, "the JSON text is nested too deeply") from None
             except ValueError as e:
                 raise _field_error(field, f"not valid JSON: {e}") from None
+            if _depth_over(value, MAX_SCHEMA_DEPTH):
+                raise _field_error(field, f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
         if not isinstance(value, dict):
             raise _field_error(field, "a JSON schema object is required")
     elif key in ("regex", "grammar"):
@@ -323,6 +354,14 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(default=None, strict=True)
     logprobs: int | None = Field(default=None, strict=True, ge=-1, le=MAX_LOGPROBS)  # -1: all (up to the limit)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_bool_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for p in v:
+                _refuse_bools(p, "prompt")
+        return _refuse_bools(v, "prompt")
 
     @field_validator("prompt")
     @classmethod
@@ -527,6 +566,11 @@ class DetokenizeRequest(Ignored):
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _no_bools(cls, v: Any) -> Any:
+        return _refuse_bools(v, "tokens")
 
     @field_validator("tokens")
     @classmethod

@@ -28,6 +28,7 @@ from kvshare.server.protocol import now
 from kvshare.server.replies import Usage
 from kvshare.server.reasoning import ReasoningSplitter, split_reasoning
 from kvshare.server.tool_calls import ToolCallStream, parse_tool_calls
+from kvshare.server.stop_match import StopPrefixes, Tail
 
 Kind = Literal["completion", "chat"]
 
@@ -126,7 +127,7 @@ class ResponseBuilder:
     tokenizer: Any = None
     choices: list[ChoiceSpec] = field(default_factory=list)
     options: ReplyOptions = field(default_factory=ReplyOptions)
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] | StopPrefixes = field(default_factory=list)  # a StopPrefixes: built once, off the loop
     created: int = 0
     _state: dict[int, _ChoiceState] = field(default_factory=dict)
 
@@ -134,9 +135,10 @@ class ResponseBuilder:
         self.created = self.created or now()
         self.text = TokenText(self.tokenizer, self.options.tokens_as_ids)
         self._spec = {c.index: c for c in self.choices}
+        prefixes = self.stop if isinstance(self.stop, StopPrefixes) else StopPrefixes([s for s in self.stop if s])
         for c in self.choices:
             self._state[c.index] = _ChoiceState(
-                deltas=TextDeltas(self.stop),
+                deltas=TextDeltas(prefixes),
                 reasoning=ReasoningSplitter() if self.options.thinking else None,
                 calls=ToolCallStream() if self.options.tools else None)
 
@@ -376,30 +378,21 @@ class TextDeltas:
 
     While the request runs, text that may still change is held back: a trailing U+FFFD (half of
     a multi-byte character) and a trailing piece that could be the start of a stop string (the
-    engine cuts the text before a stop string once it completes). The final output releases
-    the rest.
+    engine cuts the text before a stop string once it completes; `stop_match` finds that piece
+    in amortised O(1) per new character). The final output releases the rest.
     """
 
-    def __init__(self, stop: list[str] | None = None) -> None:
+    def __init__(self, stop: list[str] | StopPrefixes | None = None) -> None:
         self.sent = ""
-        self.stop = [s for s in (stop or []) if s]
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        prefixes = stop if isinstance(stop, StopPrefixes) else StopPrefixes([s for s in (stop or []) if s])
+        self._tail = Tail(prefixes) if len(prefixes.depth) > 1 else None
 
     def next(self, out: Any) -> str:
         """The text of `out` not sent yet."""
         text: str = out.text or ""
         if not out.finished:
             text = text.rstrip("\ufffd")
-            hold = self._held_back(text)
+            hold = self._tail.held(text) if self._tail is not None else 0
             if hold:
                 text = text[:-hold]
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
