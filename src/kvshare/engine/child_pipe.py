@@ -14,7 +14,9 @@ import pickle
 import select
 import struct
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
@@ -108,3 +110,24 @@ def _exchange(proc: subprocess.Popen, payload: bytes, cpu_limit_s: float, wall_l
             raise TimeoutError
 
 
+
+
+def spawn(module: str) -> subprocess.Popen:
+    """A helper child running ``python -m module`` of the kvshare this process runs (its source
+    directory first on PYTHONPATH, not another install), with pipes on stdin / stdout."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            close_fds=True, bufsize=0)
+
+
+def kill(proc: subprocess.Popen | None) -> None:
+    """Close a child's pipes, kill it if it still runs, and reap it (None: nothing to do)."""
+    if proc is None:
+        return
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from kvshare.engine.json_schema import closed
@@ -179,25 +178,17 @@ class GrammarChild:
     def _running(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        src = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvshare.engine.grammar_worker"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, close_fds=True, bufsize=0)
-        from kvshare.engine.child_pipe import _send
+        from kvshare.engine.child_pipe import _send, spawn
 
+        self._proc = spawn("kvshare.engine.grammar_worker")
         _send(self._proc.stdin, self._setup)  # type: ignore[arg-type]
         return self._proc
 
     def _kill(self) -> None:
+        from kvshare.engine.child_pipe import kill
+
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for f in (proc.stdin, proc.stdout):
-            if f is not None:
-                f.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        kill(proc)
 
 
 def _serve() -> None:

@@ -38,12 +38,11 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from kvshare.engine.child_pipe import _HEADER, _CpuTimeout, _exchange, _read_exact, _send, _widen
+from kvshare.engine.child_pipe import _HEADER, _CpuTimeout, _exchange, _read_exact, _send, _widen, kill, spawn
 from kvshare.server.errors import APIError, from_validation_error
 from kvshare.server.limits import OFF_LOOP_BYTES, RequestLimits, parse_json
 from kvshare.server.memory import release_free_memory
@@ -137,24 +136,14 @@ class BodyParser:
     def _spawn(self) -> subprocess.Popen:
         """A new child in place of the current one (killed, if any)."""
         self._kill()
-        src = str(Path(__file__).resolve().parents[2])  # the kvshare this process runs, not another install
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.body_parser"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, close_fds=True, bufsize=0)
+        self._proc = spawn("kvshare.server.body_parser")
         for f in (self._proc.stdin, self._proc.stdout):
             _widen(f)
         return self._proc
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for f in (proc.stdin, proc.stdout):
-            if f is not None:
-                f.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        kill(proc)
 
 
 def _serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
