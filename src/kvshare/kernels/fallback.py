@@ -35,7 +35,10 @@ def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w^T`` for a dense weight w [N, K], one identical [1, K] call per row."""
     if x.shape[0] == 0:
         return x.new_empty(0, w.shape[0])
-    return torch.cat([F.linear(x[i: i + 1], w) for i in range(x.shape[0])])
+    # each row copied to a fresh (64-byte aligned) buffer: BLAS kernels peel a vector loop by the
+    # row's address, so a view's offset inside x would change the summation order (seen on AMD EPYC
+    # for fp32: the same row gave other bits at another offset)
+    return torch.cat([F.linear(x[i: i + 1].clone(), w) for i in range(x.shape[0])])
 
 
 def linear(x: torch.Tensor, p: Packed) -> torch.Tensor:
