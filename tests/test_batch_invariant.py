@@ -96,7 +96,7 @@ def test_bf16_linear_module_rows_do_not_depend_on_the_call_in_a_batch_invariant_
         lin.weight.copy_(torch.randn(1536, 4096, generator=g))
     lin = lin.to(torch.bfloat16)
     pack_linears(lin)
-    lin.bind_kernels(KernelChoice(batch_invariant=True, gemm=kernels.available()))
+    lin.bind(KernelChoice(batch_invariant=True, gemm=kernels.available()))
     x = torch.randn(128, 4096, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([lin(x[r:r + 1]) for r in range(x.shape[0])])

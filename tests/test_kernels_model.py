@@ -106,14 +106,14 @@ def test_binding_routes_dense_linears() -> None:
     assert lin.impl == lin.forward_torch
     off = lin(x)
     invariant = KernelChoice(batch_invariant=True, gemm=True, native=True)
-    lin.bind_kernels(invariant)
+    lin.bind(invariant)
     assert lin.impl == lin.forward_invariant
     on = lin(x)
     assert torch.equal(on, kernels.linear(x, kernels.pack_bf16(lin.weight)))
     assert torch.equal(lin(x[5:6]), on[5:6])  # row-count invariant through the module
     lin32 = Linear(77, 45).requires_grad_(False)
-    lin32.bind_kernels(invariant)
+    lin32.bind(invariant)
     x32 = torch.randn(9, 77, generator=gen)
     assert torch.equal(lin32(x32), kernels.linear(x32, kernels.pack_fp32(lin32.weight)))
-    lin.bind_kernels(KernelChoice(gemm=True, native=True))
+    lin.bind(KernelChoice(gemm=True, native=True))
     assert torch.equal(lin(x), off)

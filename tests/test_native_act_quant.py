@@ -70,7 +70,7 @@ def test_act_quant_native_is_the_torch_rounding(dtype: torch.dtype, width: int, 
     assert calls
     lin = QLinear(width, 8, QuantMode.of(True), block).to(dtype).requires_grad_(False)
     want = lin(x)  # built bound to the reference: the torch rounding
-    lin.bind_kernels(KernelChoice(gemm=True, native=True))
+    lin.bind(KernelChoice(gemm=True, native=True))
     n = len(calls)
     assert torch.equal(lin(x), want) and len(calls) == n + 1
 

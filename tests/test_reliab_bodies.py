@@ -276,21 +276,10 @@ def test_health_answers_while_a_large_body_waits_on_the_child(server: Background
 
 
 def _start_server(port: int) -> Any:
-    import subprocess
-    import sys
+    from serve_proc import start_serve
 
-    cmd = [sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--random-weights", "--port", str(port),
-           "--max-model-len", "1024", "--log-level", "warning", "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server did not start: {proc.communicate()[0][-2000:]}")
+    return start_serve(port, "--model", MODEL, "--random-weights", "--max-model-len", "1024", "--log-level",
+                       "warning", "--threads", "1")
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, times: list[float]) -> None:

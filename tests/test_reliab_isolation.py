@@ -19,14 +19,13 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Iterator
 
 import httpx
 import pytest
+from serve_proc import start_serve
 
 from kvshare.cache.blocks import BlockManager
 from kvshare.engine.sampling import SamplingParams
@@ -59,20 +58,9 @@ def test_a_grammar_that_crashed_the_server_is_a_400_and_the_server_goes_on() -> 
     """Before: the 3,000-rule grammar compiled on the engine thread and the server died with SIGSEGV
     (the request got no reply). Now it is a one-line 400 and the next request is served."""
     port = _free_port()
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
-    srv = subprocess.Popen([sys.executable, "-m", "kvshare", "serve", "--model", MODEL, "--random-weights",
-                            "--port", str(port), "--log-level", "warning", "--max-model-len", "256"], env=env)
+    srv = start_serve(port, "--model", MODEL, "--random-weights", "--log-level", "warning", "--max-model-len", "256")
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert srv.poll() is None, "the server did not start"
-            time.sleep(0.2)
         body = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": chain_grammar(3000)}}
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 400, r.text

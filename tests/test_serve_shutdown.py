@@ -8,11 +8,11 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from serve_proc import start_serve
 
 DRAIN_S = 2.0
 
@@ -24,22 +24,8 @@ def free_port() -> int:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from kvshare.cli import main; sys.exit(main())", "serve",
-           "--model", "tiny-v41", "--random-weights", "--port", str(port), "--shutdown-timeout", str(DRAIN_S),
-           "--max-model-len", "4096", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("server did not start")
+    return start_serve(port, "--model", "tiny-v41", "--random-weights", "--shutdown-timeout", str(DRAIN_S),
+                       "--max-model-len", "4096", "--log-level", "warning", timeout_s=60)
 
 
 def open_streams(port: int, n: int) -> tuple[list[list[str]], list[threading.Thread], threading.Barrier]:
@@ -86,7 +72,8 @@ def test_sigterm_drains_within_the_limit_and_closes_every_stream() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = proc.stdout.read()
+    proc.log.seek(0)
+    out = proc.log.read()
     assert rc in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal it caught once it has shut down
     assert exit_s < DRAIN_S + 2.0, exit_s  # observed ~2.3 s with a 2 s drain
     for ev in events:

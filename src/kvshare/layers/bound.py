@@ -39,9 +39,9 @@ class BoundOp(nn.Module):
 
 
 def bind_model(model: nn.Module, choice: KernelChoice) -> None:
-    """Bind every `BoundOp` in `model` (and every module with its own ``bind_kernels``) to `choice`."""
+    """Bind every module of `model` (itself included) that chooses an implementation to `choice`:
+    each `BoundOp`, and each module that, like `layers.linear.Linear`, keeps its own base class and
+    defines ``bind``. (A model whose own ``bind`` calls this passes its submodules.)"""
     for m in model.modules():
-        if isinstance(m, BoundOp):
+        if callable(getattr(type(m), "bind", None)):
             m.bind(choice)
-        elif hasattr(type(m), "bind_kernels"):
-            m.bind_kernels(choice)

@@ -21,7 +21,7 @@ an inference-mode weight has no version counter, so re-`pack()` after editing on
 * A model bound batch-invariant (`KernelChoice.batch_invariant`) runs every other linear through
   `ops.invariant.row_linear`, which uses the kernels too where they are available.
 
-**Binding** (`kvshare.layers`): `bind_kernels(choice)` picks the implementation once:
+**Binding** (`kvshare.layers`): `bind(choice)` picks the implementation once:
 `forward_packed` (a weight kept packed: any choice), `forward_invariant` (a batch-invariant choice),
 else `forward_torch` (oneDNN's packed copy / `F.linear`, the reference). `set_packed` rebinds. A
 `QLinear` also binds whether its FP8 input rounding runs the native kernel (a native choice).
@@ -67,7 +67,7 @@ def packing_available() -> bool:
 class Linear(nn.Linear):
     """Bias-free `nn.Linear` that can hold a once-packed bf16 copy of its weight (see module doc).
 
-    Invariant: `impl` is `select(choice)` for the last `bind_kernels` choice and the current `qweight`.
+    Invariant: `impl` is `select(choice)` for the last `bind` choice and the current `qweight`.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -76,9 +76,9 @@ class Linear(nn.Linear):
         self._packed_key: tuple[int, int] | None = None
         self._pack_wanted = False  # `pack()` asked for a oneDNN copy: made by the first forward_torch
         self.qweight: kernels.Packed | None = None  # an FP8 / FP4 checkpoint weight kept packed
-        self.bind_kernels(KernelChoice.reference())
+        self.bind(KernelChoice.reference())
 
-    def bind_kernels(self, choice: KernelChoice) -> None:
+    def bind(self, choice: KernelChoice) -> None:
         """Choose this linear's implementation for `choice` (see the module doc)."""
         self.choice = choice
         self.impl: Callable[[torch.Tensor], torch.Tensor] = self.select(choice)
@@ -96,7 +96,7 @@ class Linear(nn.Linear):
         self.qweight = packed
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         self._packed, self._pack_wanted = None, False
-        self.bind_kernels(self.choice)
+        self.bind(self.choice)
 
     def _key(self) -> tuple[int, int]:
         return (self.weight.data_ptr(), version_of(self.weight))
@@ -155,9 +155,9 @@ class QLinear(Linear):
         self.mode = mode
         self.block = block
 
-    def bind_kernels(self, choice: KernelChoice) -> None:
+    def bind(self, choice: KernelChoice) -> None:
         self.native_act = choice.native  # the FP8 rounding's native kernel (the same bits, any mode)
-        super().bind_kernels(choice)
+        super().bind(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode.act:

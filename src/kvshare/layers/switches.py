@@ -44,8 +44,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, bool]:
 
 
 def switched_off(field: str) -> bool:
-    """Whether the environment turns `field` off now (one variable read; for the transitional
-    per-call callers in `kernels/decode.py`)."""
+    """Whether the environment turns `field` off now (one variable read; `kernels.decode.enabled`,
+    which the cache-row codecs ask per call, reads ``native`` through it)."""
     return os.environ.get(_VAR_OF[field], "").strip().lower() in _OFF
 
 

@@ -111,7 +111,6 @@ class Transformer(nn.Module):
         self.rope_compress = RotaryEmbedding(rd, cfg.compress_rope_theta, cfg.yarn)
         self.mhc = Mhc(cfg.arch == "v41", cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps)  # the head's collapse
         self.tie_log: list[tuple[int, str, int]] | None = None
-        self.kernels = KernelChoice.reference()
         self.bind(switches.default_choice())
 
     def bind(self, choice: KernelChoice) -> None:
@@ -119,12 +118,19 @@ class Transformer(nn.Module):
         the model; see `kvshare.layers`). A model whose weights are not bf16 / fp32 on the CPU binds
         without the native kernels (they take only those); `.to(...)` rebinds (`_apply`)."""
         self.kernels = choice
+        bound = self.bound
+        for child in self.children():
+            bind_model(child, bound)
+        self.quantizer.bind(bound)
+
+    @property
+    def bound(self) -> KernelChoice:
+        """What the layers run: `kernels`, less the native kernels where the weights are not bf16 /
+        fp32 on the CPU."""
         w = self.embed.weight
         if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
-            choice = choice.with_(native=False)
-        self.bound = choice  # what the layers run (`kernels` with what these weights allow)
-        bind_model(self, choice)
-        self.quantizer.bind(choice)
+            return self.kernels.with_(native=False)
+        return self.kernels
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         out = super()._apply(fn, recurse)

@@ -65,9 +65,9 @@ class Engram(nn.Module):
         # Tensor parallelism (parallel/engram_shard.py): (first column, end column, first table row,
         # all-gather) of this rank's hash columns; the table then holds only those columns' rows.
         self.tp_columns: tuple[int, int, int, Any] | None = None
-        self.invariant = False  # the gate's sigmoid row-invariant (`bind_kernels`)
+        self.invariant = False  # the gate's sigmoid row-invariant (`bind`)
 
-    def bind_kernels(self, choice: KernelChoice) -> None:
+    def bind(self, choice: KernelChoice) -> None:
         """Bind to `choice` (`kvshare.layers.bind_model`): the gate's element-wise sigmoid through
         `ops.invariant.pointwise`'s vector loop for a batch-invariant choice."""
         self.invariant = choice.batch_invariant

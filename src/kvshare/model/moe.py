@@ -48,9 +48,9 @@ class Expert(nn.Module):
         self.w1 = QLinear(dim, inter, mode, block)
         self.w2 = QLinear(inter, dim, mode, block)
         self.w3 = QLinear(dim, inter, mode, block)
-        self.invariant = False  # the SiLU through `ops.invariant.pointwise`'s vector loop (`bind_kernels`)
+        self.invariant = False  # the SiLU through `ops.invariant.pointwise`'s vector loop (`bind`)
 
-    def bind_kernels(self, choice: KernelChoice) -> None:
+    def bind(self, choice: KernelChoice) -> None:
         self.invariant = choice.batch_invariant
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,7 +74,7 @@ def from_validation_error(e: ValidationError) -> APIError:
     msg = first.get("msg", "invalid value")
     msg = msg.removeprefix("Value error, ")
     named = re.match(r"([A-Za-z_][\w.]*): ", msg)
-    if not loc and named:  # a model-level check about one field (protocol.FieldError)
+    if not loc and named:  # a model-level check about one field (request_checks.FieldError)
         loc = named.group(1)
         msg = msg[named.end():]
     kind = first.get("type", "")

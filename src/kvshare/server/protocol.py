@@ -29,6 +29,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from kvshare.engine.param_ranges import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
                                          TOP_K_MAX)
 from kvshare.engine.structured_spec import StructuredSpec
+from kvshare.server.request_checks import field_error, refuse_bools, structured_spec
 from kvshare.server.tool_grammar import NAME_RE, PARAM_NAME_RE, ToolSpecError, check_tools
 
 MAX_STOP_STRINGS = 256  # vLLM accepts any number; each costs a substring search per generated token
@@ -175,7 +176,7 @@ class _SamplingRequest(Ignored):
     @field_validator("allowed_token_ids", mode="before")
     @classmethod
     def _no_bool_ids(cls, v: Any, info: ValidationInfo) -> Any:
-        return _refuse_bools(v, info.field_name)
+        return refuse_bools(v, info.field_name)
 
     @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
@@ -225,12 +226,12 @@ class _SamplingRequest(Ignored):
     @model_validator(mode="after")
     def _combinations(self) -> "_SamplingRequest":
         if self.stream_options is not None and not self.stream:
-            raise _field_error("stream_options", "stream_options is only allowed when stream is true")
+            raise field_error("stream_options", "stream_options is only allowed when stream is true")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise _field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens")
+            raise field_error("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens")
         for name in NOT_HONOURED:
             if getattr(self, name, None) is not None:
-                raise _field_error(name, f"{name} is not supported by this server")
+                raise field_error(name, f"{name} is not supported by this server")
         self._structured = structured_spec(self.response_format, self.structured_outputs)
         return self
 
@@ -257,92 +258,6 @@ class _SamplingRequest(Ignored):
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
-MAX_SCHEMA_DEPTH = 32  # a JSON schema sent as JSON text: as deep as a body may be (limits.max_json_depth)
-
-
-def _refuse_bools(v: Any, name: str) -> Any:
-    """`v` unchanged; ValueError when it is a list holding a boolean (pydantic's lax int takes true as 1)."""
-    if isinstance(v, list) and any(isinstance(t, bool) for t in v):
-        raise ValueError(f"{name} must be integer token ids, not booleans")
-    return v
-
-
-def _depth_over(value: Any, limit: int) -> bool:
-    """Whether `value` (decoded JSON) nests containers deeper than `limit` (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            if d > limit:
-                return True
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return False
-
-
-def structured_spec(response_format: dict[str, Any] | None,
-                    structured_outputs: dict[str, Any] | None) -> StructuredSpec | None:
-    """The constraint a request asks for: OpenAI's `response_format` or vLLM's `structured_outputs`
-    (json, regex, choice, grammar, json_object; exactly one). Raises FieldError naming the field."""
-    if response_format is not None and structured_outputs is not None:
-        raise _field_error("structured_outputs", "give response_format or structured_outputs, not both")
-    if response_format is not None:
-        kind = response_format.get("type")
-        if kind == "text" and len(response_format) == 1:
-            return None
-        if kind == "json_object" and len(response_format) == 1:
-            return StructuredSpec("json_object", None, "response_format")
-        if kind == "json_schema" and set(response_format) <= {"type", "json_schema"}:
-            js = response_format.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-                raise _field_error("response_format.json_schema.schema", "a JSON schema object is required")
-            unknown = set(js) - {"name", "schema", "strict", "description"}
-            if unknown:
-                raise _field_error(f"response_format.json_schema.{sorted(unknown)[0]}", "unknown field")
-            return StructuredSpec("json", js["schema"], "response_format.json_schema.schema")
-        raise _field_error("response_format", "type must be text, json_object or json_schema (with its fields only)")
-    if structured_outputs is None:
-        return None
-    keys = [k for k, v in structured_outputs.items() if v is not None and v is not False]
-    if len(keys) != 1 or keys[0] not in ("json", "regex", "choice", "grammar", "json_object"):
-        raise _field_error("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object")
-    key = keys[0]
-    value = structured_outputs[key]
-    field = f"structured_outputs.{key}"
-    if key == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except RecursionError:
-                raise _field_error(field, "the JSON text is nested too deeply") from None
-            except ValueError as e:
-                raise _field_error(field, f"not valid JSON: {e}") from None
-            if _depth_over(value, MAX_SCHEMA_DEPTH):
-                raise _field_error(field, f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
-        if not isinstance(value, dict):
-            raise _field_error(field, "a JSON schema object is required")
-    elif key in ("regex", "grammar"):
-        if not isinstance(value, str) or not value:
-            raise _field_error(field, "a non-empty string is required")
-    elif key == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise _field_error(field, "a non-empty list of non-empty strings is required")
-    elif value is not True:
-        raise _field_error(field, "must be true")
-    return StructuredSpec(key, None if key == "json_object" else value, field)
-
-
-class FieldError(ValueError):
-    """A validation error that belongs to one named field (app.py reports it as the 400's param)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-def _field_error(field: str, message: str) -> ValueError:
-    return FieldError(field, message)
-
-
 Prompt = str | list[int]
 
 
@@ -360,8 +275,8 @@ class CompletionRequest(_SamplingRequest):
     def _no_bool_prompt(cls, v: Any) -> Any:
         if isinstance(v, list):
             for p in v:
-                _refuse_bools(p, "prompt")
-        return _refuse_bools(v, "prompt")
+                refuse_bools(p, "prompt")
+        return refuse_bools(v, "prompt")
 
     @field_validator("prompt")
     @classmethod
@@ -379,11 +294,11 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _unsupported(self) -> "CompletionRequest":
         if self.best_of not in (None, 1) and self.best_of != self.n:
-            raise _field_error("best_of", "best_of must equal n (kvshare returns every sequence it samples)")
+            raise field_error("best_of", "best_of must equal n (kvshare returns every sequence it samples)")
         if self.suffix:
-            raise _field_error("suffix", "suffix (fill-in-the-middle) is not supported")
+            raise field_error("suffix", "suffix (fill-in-the-middle) is not supported")
         if len(self.prompts) * self.n > MAX_CHOICES:
-            raise _field_error("n", f"n x prompts must be <= {MAX_CHOICES}")
+            raise field_error("n", f"n x prompts must be <= {MAX_CHOICES}")
         return self
 
     @property
@@ -448,7 +363,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise _field_error("top_logprobs", "top_logprobs needs logprobs: true")
+            raise field_error("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     @property
@@ -463,7 +378,7 @@ class ChatCompletionRequest(_SamplingRequest):
         try:
             check_tools(self.tools or [])
         except ToolSpecError as e:
-            raise _field_error(e.field, e.message) from None
+            raise field_error(e.field, e.message) from None
         for i, m in enumerate(self.messages):
             for j, call in enumerate(m.tool_calls or []):
                 _check_history_call(call, f"messages.{i}.tool_calls.{j}")
@@ -471,19 +386,19 @@ class ChatCompletionRequest(_SamplingRequest):
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
             if choice.get("type") != "function" or name not in self.tool_names:
-                raise _field_error("tool_choice", "a named tool_choice must name one of the tools")
+                raise field_error("tool_choice", "a named tool_choice must name one of the tools")
         elif choice not in (None, "none", "auto", "required"):
-            raise _field_error("tool_choice", "tool_choice must be none, auto, required or a named function")
+            raise field_error("tool_choice", "tool_choice must be none, auto, required or a named function")
         if choice not in (None, "none") and not self.tools:
-            raise _field_error("tool_choice", "tool_choice needs tools")
+            raise field_error("tool_choice", "tool_choice needs tools")
         for k in self.chat_template_kwargs or {}:
             if k not in CHAT_TEMPLATE_KWARGS or not isinstance(self.chat_template_kwargs[k], bool):  # type: ignore[index]
-                raise _field_error(f"chat_template_kwargs.{k}", f"supported: {', '.join(CHAT_TEMPLATE_KWARGS)} "
+                raise field_error(f"chat_template_kwargs.{k}", f"supported: {', '.join(CHAT_TEMPLATE_KWARGS)} "
                                                                 "(booleans)")
         if self.forced_tool is not False and self.thinking:
-            raise _field_error("tool_choice", "required or named tool_choice cannot be combined with thinking")
+            raise field_error("tool_choice", "required or named tool_choice cannot be combined with thinking")
         if self.forced_tool is not False and self.structured is not None:
-            raise _field_error("tool_choice", "required or named tool_choice cannot be combined with "
+            raise field_error("tool_choice", "required or named tool_choice cannot be combined with "
                                               "response_format / structured_outputs")
         return self
 
@@ -530,17 +445,17 @@ def _check_history_call(call: Any, where: str) -> None:
     with names that can be written into the prompt (`tool_grammar`'s rules)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not NAME_RE.match(fn["name"]):
-        raise _field_error(f"{where}.function.name", "a tool call names a function matching ^[a-zA-Z0-9_-]{1,64}$")
+        raise field_error(f"{where}.function.name", "a tool call names a function matching ^[a-zA-Z0-9_-]{1,64}$")
     args = fn.get("arguments", "{}")
     try:
         parsed = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise _field_error(f"{where}.function.arguments", "must be a JSON object (as text)")
+        raise field_error(f"{where}.function.arguments", "must be a JSON object (as text)")
     for key in parsed:
         if not PARAM_NAME_RE.match(key):
-            raise _field_error(f"{where}.function.arguments", f"argument name {key!r} must be 1-256 characters "
+            raise field_error(f"{where}.function.arguments", f"argument name {key!r} must be 1-256 characters "
                                                               'without ", <, > or control characters')
 
 
@@ -557,7 +472,7 @@ class TokenizeRequest(Ignored):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise _field_error("prompt", "give exactly one of prompt and messages")
+            raise field_error("prompt", "give exactly one of prompt and messages")
         return self
 
 
@@ -570,7 +485,7 @@ class DetokenizeRequest(Ignored):
     @field_validator("tokens", mode="before")
     @classmethod
     def _no_bools(cls, v: Any) -> Any:
-        return _refuse_bools(v, "tokens")
+        return refuse_bools(v, "tokens")
 
     @field_validator("tokens")
     @classmethod
