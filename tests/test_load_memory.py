@@ -10,7 +10,10 @@ its peak resident-set growth and 8 greedy tokens.
   loader before this change, which read the whole file, built an fp32 model and dequantised, peaked at
   1.39 GB = 8.0 x).
 * The tokens are those the loader before the change (main b15e4e1, the same checkpoint, the same
-  process-level measurement) produced: `MAIN_TOKENS`.
+  process-level measurement, the default batch-invariant engine) produced: `MAIN_TOKENS`, computed
+  on the AVX-512 BF16 path. They hold by construction where the kernels give those bits (AVX-512 BF16
+  and AVX2 give the same bits on normal-range data, `docs/architecture.md`); AMX sums inside its
+  tiles in the hardware's order, so there the list is not checked (the weights still are, below).
 * Independently of the tokens, every parameter and every packed weight the streamed model holds is
   bitwise what the whole-read path (`load_checkpoint`, which decodes from safetensors' own reader)
   gives after the model's casts.
@@ -53,7 +56,10 @@ def test_streamed_load_peak_is_near_file_size_and_tokens_are_unchanged(checkpoin
     assert 165e6 < size < 185e6
     assert growth <= 1.2 * size + 0.6 * GB, r
     assert growth <= size + 96e6, r
-    assert r["tokens"] == MAIN_TOKENS
+    from kvshare.kernels.build import best_isa
+
+    if best_isa() in ("avx512", "avx2"):
+        assert r["tokens"] == MAIN_TOKENS
 
 
 def test_streamed_values_equal_the_whole_read_path(checkpoint) -> None:
