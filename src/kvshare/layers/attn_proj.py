@@ -37,8 +37,11 @@ from torch import nn
 from kvshare.kernels import attn_proj
 from kvshare.kernels.pack_memo import per_generation
 from kvshare.kernels.packed import Packed
+from kvshare.layers.attention import servable
 from kvshare.layers.bound import BoundOp
 from kvshare.layers.choice import KernelChoice
+from kvshare.layers.norm import rms_normalize_as
+from kvshare.layers.quant import fit_block
 from kvshare.ops import invariant
 
 #: `model.attention.Attention`, which builds this layer: named, not imported (no import cycle)
@@ -46,7 +49,7 @@ Attention = Any
 
 if TYPE_CHECKING:  # (kvshare.model imports this module: its functions are imported where used)
     from kvshare.layers.linear import Linear
-    from kvshare.model.quantize import QuantMode
+    from kvshare.layers.quant import QuantMode
     from kvshare.layers.rope import RotaryEmbedding
 
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
@@ -76,9 +79,6 @@ class AttnIn(Owned):
 
     def forward_torch(self, x: torch.Tensor, pos: torch.Tensor, rope: "RotaryEmbedding"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from kvshare.layers.attention import servable
-        from kvshare.layers.norm import rms_normalize_as
-
         a = self.owner
         qr = a.q_norm(a.wq_a(x))
         q = a.wq_b(qr).view(x.shape[0], a.n_heads, a.head_dim)
@@ -207,7 +207,6 @@ def _build(attn: "Attention") -> Fused | None:
     torch path's bits: a ``wo_a`` kept FP8-packed, projections of mixed quantisation modes or FP8
     blocks, norms of another eps or dtype, rows under 8 values (torch's own RMSNorm), weights the
     kernels do not pack (float64)."""
-    from kvshare.model.quantize import fit_block
 
     cfg, g = attn.cfg, attn.n_groups
     qlin = (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_b)

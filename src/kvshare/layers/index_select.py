@@ -38,6 +38,7 @@ from kvshare.kernels.pack_memo import per_generation
 from kvshare.layers.attention import servable
 from kvshare.layers.attn_proj import Owned, hook_dicts, hooked, pack_of
 from kvshare.layers.choice import KernelChoice
+from kvshare.layers.quant import fit_block
 from kvshare.ops import block_scores, boundary_ties, candidate_block_mask, index_scores, invariant, select_topk
 from kvshare.ops.index_scores import candidate_scores, row_index_scores
 from kvshare.precision import wide
@@ -183,7 +184,6 @@ def fused_of(idx: "Indexer") -> FusedQuery | None:
 
 
 def _build(idx: "Indexer") -> FusedQuery | None:
-    from kvshare.model.quantize import fit_block  # (kvshare.model imports this module)
 
     got = [pack_of(idx.wq_b), pack_of(idx.weights_proj)]
     if any(g is None for g in got):
