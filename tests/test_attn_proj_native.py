@@ -33,6 +33,7 @@ from torch import nn
 from kvshare.config import ModelConfig, load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.kernels import attn_proj
+from kvshare.kernels.pack_sets import RegisteredSet
 from kvshare.kernels import decode as native
 from kvshare.kernels.build import library
 from kvshare.layers import attn_proj as layer
@@ -313,9 +314,8 @@ def test_bad_arguments_are_refused_naming_the_field() -> None:
             attn_proj.attn_out(o.transpose(0, 1), f.packs, c, s_neg, 0)
         with pytest.raises(RuntimeError, match="do not split into"):
             attn_proj.attn_out(torch.randn(2, 1, attn.head_dim + 1), f.packs, c, s_neg, 0)
-        bad = attn_proj.ProjPacks(f.packs.tensors[:-2], f.packs.meta, f.packs.watch, f.packs.stamps, f.packs.act_dtype)
-        with pytest.raises(RuntimeError, match="pack tensors for"):
-            attn_proj.attn_out(o, bad, c, s_neg, 0)
+        with pytest.raises(RuntimeError, match="with 2 L pack tensors"):  # a set must hold 2 tensors a linear
+            RegisteredSet([torch.zeros(1)] * 8, torch.zeros(5, 6, dtype=torch.int64), [])
     assert library() is not None
 
 

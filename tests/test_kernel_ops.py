@@ -9,6 +9,9 @@
    stale (an empty result list, which a fake cannot foresee).
 3. `moe_stamps` returns the addresses of its inputs, so its AOT check (which runs on other copies)
    is skipped; its schema, autograd registration and fake are checked.
+4. The pack-set registry (`pack_set_new` / `pack_set_free`, csrc/pack_set.h) is a side effect on the
+   library, never traced (`kernels.pack_sets.RegisteredSet` is compiler-disabled), so it has no fake
+   and no opcheck case; `test_pack_sets_register_use_and_free` checks its contract instead.
 
 Mutation caught (run on a copy of the tree; see the report of issue 34 item 4): the fake of `mhc_head`
 returning h's shape [T, hc, D] instead of [T, D]: ``test_opcheck[mhc_head]`` fails in test_faketensor
@@ -50,6 +53,8 @@ def _f(*shape: int) -> torch.Tensor:
 GEN = _g()
 ISA = best_isa()
 EMPTY_STAMPS = torch.empty(0, 3, dtype=torch.int64)
+#: the registered pack sets of the cases (a set is freed when its `RegisteredSet` is collected)
+KEEP_SETS: list = []
 
 
 def _rope_tables(t: int, rd: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +126,7 @@ def _index_topk() -> Args:
 def _proj_set(linears: list, fp32: bool = False) -> attn_proj.ProjPacks:
     p = attn_proj.pack_set([(pack_fp32 if fp32 else pack_bf16)(w) for w in linears], [])
     assert p is not None
+    KEEP_SETS.append(p)
     return p
 
 
@@ -128,8 +134,7 @@ def _index_select() -> Args:
     t, rank, dim, h, d = 3, 16, 32, 2, 16
     p = _proj_set([_f(h * d, rank), _f(h, dim)])
     c, s = _rope_tables(t, 8)
-    return (_bf(t, rank), _bf(t, dim), p.tensors, p.meta, [], EMPTY_STAMPS, c, s, h, 0.5, 0, ISA, _f(2, 7, d), False,
-            None, torch.tensor([0, 1, 1]), torch.tensor([7, 3, 0]), 1, 1, 4), {}
+    return (_bf(t, rank), _bf(t, dim), p.registered.id, c, s, h, 0.5, 0, ISA, _f(2, 7, d), False, None, torch.tensor([0, 1, 1]), torch.tensor([7, 3, 0]), 1, 1, 4), {}
 
 
 def _attn_packs(fp32: bool) -> attn_proj.ProjPacks:
@@ -141,13 +146,13 @@ def _attn_packs(fp32: bool) -> attn_proj.ProjPacks:
 def _attn_in() -> Args:
     p = _attn_packs(False)
     c, s = _rope_tables(3, 8)
-    return (_bf(3, 32), p.tensors, p.meta, [], EMPTY_STAMPS, _f(16), _f(16), 1e-6, c, s, 2, True, 16, 16, ISA), {}
+    return (_bf(3, 32), p.registered.id, _f(16), _f(16), 1e-6, c, s, 2, True, 16, 16, ISA), {}
 
 
 def _attn_out() -> Args:
     p = _attn_packs(True)
     c, s = _rope_tables(3, 8)
-    return (_f(3, 2, 16), p.tensors, p.meta, [], EMPTY_STAMPS, c, -s, 0, p.out_dim, ISA), {}
+    return (_f(3, 2, 16), p.registered.id, c, -s, 0, p.out_dim, ISA), {}
 
 
 def _moe_experts() -> Args:
@@ -155,8 +160,9 @@ def _moe_experts() -> Args:
     lin = [(pack_bf16(w), w) for _ in range(e + 1) for w in (_f(inter, dim), _f(inter, dim), _f(dim, inter))]
     p = native_moe.pack_set(lin)
     assert p is not None
+    KEEP_SETS.append(p)
     ids = torch.tensor([[0, 1], [1, 0], [1, 1]])
-    return (_bf(3, dim), ids, torch.rand(3, 2, generator=GEN), p.tensors, p.meta, [], EMPTY_STAMPS, 7.0, 16, 16, ISA), {}
+    return (_bf(3, dim), ids, torch.rand(3, 2, generator=GEN), p.registered.id, 7.0, 16, 16, ISA), {}
 
 
 def _moe_gate(given: bool) -> Callable[[], Args]:
@@ -243,7 +249,8 @@ def _registered() -> set[str]:
 
 def test_every_native_op_is_registered_and_covered() -> None:
     ops = _registered()
-    assert ops == {op for _, op, _ in CASES} | {"cpu_has"}, ops ^ ({op for _, op, _ in CASES} | {"cpu_has"})
+    untraced = {"cpu_has", "pack_set_new", "pack_set_free"}
+    assert ops == {op for _, op, _ in CASES} | untraced, ops ^ ({op for _, op, _ in CASES} | untraced)
     for op in ops:
         schema = getattr(torch.ops.kvshare, op).default._schema
         assert str(schema).startswith(f"kvshare::{op}("), schema
@@ -260,6 +267,29 @@ def test_opcheck(case: tuple[str, str, Callable[[], Args]]) -> None:
         eager = op(*_clone(args))  # the inputs are valid: the op runs
     assert eager is None or isinstance(eager, (torch.Tensor, tuple, list))
     opcheck(op, args, test_utils=NOT_AOT if name == "moe_stamps" else opcheck_all())
+
+
+def test_pack_sets_register_use_and_free() -> None:
+    """A registered set serves calls until freed (then a call names the missing set); a watched tensor
+    edited in place makes the calls return nothing (stale); freeing twice is harmless."""
+    w = _f(16, 16)  # wq_b: 1 head of 16 from a rank-16 qr; weights_proj: 1 head from 32
+    p = attn_proj.pack_set([pack_bf16(w), pack_bf16(_f(1, 32))], [w])
+    assert p is not None
+    set_id = p.registered.id
+    c, s = _rope_tables(3, 8)
+
+    def select() -> list:
+        return torch.ops.kvshare.index_select(_bf(3, 16), _bf(3, 32), set_id, c, s, 1, 0.5, 0, ISA, _f(2, 7, 16),
+                                              False, None, torch.tensor([0, 1, 1]), torch.tensor([7, 3, 0]), 1, 1, 4)
+
+    assert len(select()) == 1
+    with torch.no_grad():
+        w.mul_(1.0)  # the same values, a new in-place version: the set no longer matches its weights
+    assert select() == []
+    del p.registered  # the last reference: the set is freed
+    with pytest.raises(RuntimeError, match=f"no pack set {set_id}"):
+        select()
+    torch.ops.kvshare.pack_set_free(set_id)
 
 
 def opcheck_all() -> tuple[str, ...]:

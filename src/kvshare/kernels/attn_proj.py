@@ -12,7 +12,8 @@ with its ISA (`best_isa`), padding and thread split; RMSNorm, RoPE and the FP8 r
 packs of wq_a, wq_b, wkv, each wo_a group and wo_b, taken from where the torch path takes them
 (an FP8 / FP4 checkpoint weight's own `Packed`, else `ops.invariant.native_pack` of the dense
 weight or group view), so nothing is packed twice. It is stale when a watched tensor changed its
-address, dtype or in-place version (checked in C++ on every call: the call returns None); the
+address, dtype or in-place version (checked in C++ on every call against the registered set's
+stamps, `kernels.pack_sets`: the call returns None); the
 caller also rebuilds it after any parameter or submodule registration (`kernels.pack_memo.per_generation`).
 
 Which implementation a model runs is bound once (`kvshare.layers.attn_proj`, `KernelChoice.fused_attn_proj`;
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.kernels.build import best_isa, loaded
+from kvshare.kernels.pack_sets import RegisteredSet
 from kvshare.kernels.packed import FORMAT_ID, Packed
 
 
@@ -33,10 +35,8 @@ from kvshare.kernels.packed import FORMAT_ID, Packed
 class ProjPacks:
     """The packed projections of one attention layer (module doc) and what they are valid for."""
 
-    tensors: list[torch.Tensor]  # data, exps of linear l: wq_a, wq_b, wkv, wo_a groups 0..G-1, wo_b
-    meta: torch.Tensor  # int64 [4 + G, 6]: fmt, n, k, kp, block, group_exps
-    watch: list[torch.Tensor]
-    stamps: torch.Tensor  # int64 [len(watch), 3] (csrc/moe.h `moe_stamps`)
+    registered: RegisteredSet  # data, exps of linear l (wq_a, wq_b, wkv, wo_a groups 0..G-1, wo_b), meta
+    # int64 [4 + G, 6] (fmt, n, k, kp, block, group_exps), the watched weights
     act_dtype: torch.dtype
     out_dim: int = 0  # the last linear's outputs (wo_b: `attn_out`'s width; the op checks it)
 
@@ -51,8 +51,7 @@ def pack_set(linears: list[Packed], watch: list[torch.Tensor]) -> ProjPacks | No
     for p in linears:
         tensors += [p.data, p.exps]
         meta.append([FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, int(p.fmt == "fp8" and p.exps.dim() == 2)])
-    return ProjPacks(tensors, torch.tensor(meta, dtype=torch.int64), watch, torch.ops.kvshare.moe_stamps(watch),
-                     dtypes.pop(), linears[-1].n)
+    return ProjPacks(RegisteredSet(tensors, torch.tensor(meta, dtype=torch.int64), watch), dtypes.pop(), linears[-1].n)
 
 
 def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: torch.Tensor, eps: float,
@@ -62,8 +61,8 @@ def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: to
     q_norm / kv_norm the fp32 RMSNorm weights, c, s [T, rd] fp32 the positions' RoPE tables,
     `head_norm` V4's per-head RMSNorm of q, `x_block` / `qr_block` the FP8 blocks of the wq_a / wkv
     and wq_b inputs (0: none). None when a watched weight changed (rebuild the packs, call again)."""
-    out = torch.ops.kvshare.attn_in(x, packs.tensors, packs.meta, packs.watch, packs.stamps, q_norm, kv_norm, eps, c,
-                                    s, heads, head_norm, x_block, qr_block, best_isa())
+    out = torch.ops.kvshare.attn_in(x, packs.registered.id, q_norm, kv_norm, eps, c, s, heads, head_norm, x_block,
+                                    qr_block, best_isa())
     return (out[0], out[1], out[2]) if out else None
 
 
@@ -72,8 +71,7 @@ def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Te
     """[T, D] in o's dtype from the attention output o [T, H, d] (contiguous, not modified; rotated back
     by the tables c, s_neg [T, rd] fp32: the inverse rotation's), `u_block` the FP8 block of wo_b's
     input (0: none). None when a watched weight changed."""
-    out = torch.ops.kvshare.attn_out(o, packs.tensors, packs.meta, packs.watch, packs.stamps, c, s_neg, u_block,
-                                     packs.out_dim, best_isa())
+    out = torch.ops.kvshare.attn_out(o, packs.registered.id, c, s_neg, u_block, packs.out_dim, best_isa())
     return out[0] if out else None
 
 
@@ -84,7 +82,6 @@ def index_select(qr: torch.Tensor, x: torch.Tensor, packs: ProjPacks, c: torch.T
     """The indexer's picks [T, k] (`kernels.attn.index_topk`'s) from its inputs in one call: q = RoPE(wq_b(
     [FP8] qr)) by the tables c, s [T, rd], w = fp32(weights_proj(x)) * scale, for the pack set (wq_b,
     weights_proj); keys as `index_topk` takes them. None when a watched weight changed."""
-    out = torch.ops.kvshare.index_select(qr, x, packs.tensors, packs.meta, packs.watch, packs.stamps, c, s, heads,
-                                         scale, qr_block, best_isa(), keys, keys_dtype == torch.bfloat16, tables, seq,
-                                         counts, ratio, block_size, k)
+    out = torch.ops.kvshare.index_select(qr, x, packs.registered.id, c, s, heads, scale, qr_block, best_isa(), keys,
+                                         keys_dtype == torch.bfloat16, tables, seq, counts, ratio, block_size, k)
     return out[0] if out else None

@@ -129,18 +129,17 @@ def register() -> None:
         return _like(seq, (q.shape[0], k), torch.int64)
 
     @register_fake("kvshare::index_select")
-    def _index_select(qr, x, packs, meta, watch, stamps, c, s, heads, scale, qr_block, isa, keys, keys_bf16,  # noqa: ANN001, ANN202
-                      tables, seq, counts, ratio, block_size, k):
+    def _index_select(qr, x, set_id, c, s, heads, scale, qr_block, isa, keys, keys_bf16, tables, seq, counts,  # noqa: ANN001, ANN202
+                      ratio, block_size, k):
         return [_like(seq, (qr.shape[0], k), torch.int64)]
 
     @register_fake("kvshare::attn_in")
-    def _attn_in(x, packs, meta, watch, stamps, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,  # noqa: ANN001, ANN202
-                 qr_block, isa):
+    def _attn_in(x, set_id, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block, qr_block, isa):  # noqa: ANN001, ANN202
         t, rank, d = x.shape[0], q_norm_w.numel(), kv_norm_w.numel()  # the norms' widths are wq_a's and wkv's outputs
         return [_like(x, (t, rank)), _like(x, (t, heads, d)), _like(x, (t, d))]
 
     @register_fake("kvshare::attn_out")
-    def _attn_out(o, packs, meta, watch, stamps, c, s, u_block, out_dim, isa):  # noqa: ANN001, ANN202
+    def _attn_out(o, set_id, c, s, u_block, out_dim, isa):  # noqa: ANN001, ANN202
         return [_like(o, (o.shape[0], out_dim))]
 
     @register_fake("kvshare::moe_stamps")
@@ -148,7 +147,7 @@ def register() -> None:
         return watch[0].new_empty((len(watch), 3), dtype=torch.int64)
 
     @register_fake("kvshare::moe_experts")
-    def _moe_experts(x, ids, weights, packs, meta, watch, stamps, limit, x_block, h_block, isa):  # noqa: ANN001, ANN202
+    def _moe_experts(x, ids, weights, set_id, limit, x_block, h_block, isa):  # noqa: ANN001, ANN202
         return [_like(x, x.shape)]
 
     @register_fake("kvshare::fake_quant_fp4")

@@ -14,7 +14,8 @@ own `Packed`, else `ops.invariant.native_pack` of the dense weight), built on fi
 stale when
 
 * a watched tensor (each dense weight, each packed weight's data) has another address, dtype or
-  in-place version than at build time: checked in C++ on every call (`moe_stamps`);
+  in-place version than at build time: checked in C++ on every call (the registered set's stamps,
+  `kernels.pack_sets`);
 * a parameter or submodule was registered anywhere since the build (`pack_memo.generation`): a
   replaced ``weight`` Parameter, `Linear.set_packed`, a replaced expert.
 
@@ -30,6 +31,7 @@ import torch
 
 from kvshare.kernels.build import best_isa, loaded
 from kvshare.kernels.pack_memo import generation
+from kvshare.kernels.pack_sets import RegisteredSet
 from kvshare.kernels.packed import FORMAT_ID, Packed
 
 
@@ -37,10 +39,8 @@ from kvshare.kernels.packed import FORMAT_ID, Packed
 class LayerPacks:
     """The packed weights of one MoE layer (module doc) and what they are valid for."""
 
-    tensors: list[torch.Tensor]  # data, exps of linear l = 3 e + (w1, w3, w2); e = E is the shared expert
-    meta: torch.Tensor  # int64 [3 (E + 1), 6]: fmt, n, k, kp, block, group_exps
-    watch: list[torch.Tensor]
-    stamps: torch.Tensor  # int64 [len(watch), 3] (csrc/moe.h `moe_stamps`)
+    registered: RegisteredSet  # data, exps of linear l = 3 e + (w1, w3, w2) (e = E: the shared expert),
+    # meta int64 [3 (E + 1), 6] (fmt, n, k, kp, block, group_exps), the watched weights
     act_dtype: torch.dtype
     generation: int
 
@@ -59,8 +59,7 @@ def pack_set(linears: list[tuple[Packed, torch.Tensor]]) -> LayerPacks | None:
     if len(dtypes) != 1:
         return None
     watch = [w for _, w in linears]
-    return LayerPacks(tensors, torch.tensor(meta, dtype=torch.int64), watch, torch.ops.kvshare.moe_stamps(watch),
-                      dtypes.pop(), generation())
+    return LayerPacks(RegisteredSet(tensors, torch.tensor(meta, dtype=torch.int64), watch), dtypes.pop(), generation())
 
 
 def fresh(packs: LayerPacks | None) -> bool:
@@ -75,6 +74,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packs: La
     routed to ids [T, k] (int64) with weights [T, k] (fp32), bitwise the torch path's (module doc).
     `x_block` / `h_block`: FP8 blocks of the w1 / w3 and the w2 inputs (0: no rounding). None when
     a watched weight changed since `packs` was built (rebuild them and call again)."""
-    out = torch.ops.kvshare.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.tensors, packs.meta,
-                                        packs.watch, packs.stamps, float(limit), x_block, h_block, best_isa())
+    out = torch.ops.kvshare.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.registered.id,
+                                        float(limit), x_block, h_block, best_isa())
     return out[0] if out else None

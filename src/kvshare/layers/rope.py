@@ -79,6 +79,7 @@ class RotaryEmbedding(BoundOp):
         self._freqs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._tables: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._last: tuple | None = None  # (positions, freqs, version, tables) of the latest answer
+        self._pair_of: dict[int, tuple[torch.Tensor, ...]] = {}  # id(freqs) -> (freqs, *`_pairs`)
 
     def _freqs_for(self, x: torch.Tensor) -> torch.Tensor:
         return self._freqs_at((x.device, torch.float64 if x.dtype == torch.float64 else torch.float32))
@@ -102,16 +103,26 @@ class RotaryEmbedding(BoundOp):
             self._tables[key] = hit  # most recently used last: the step's positions stay while entry positions pass
             self._last = (positions, freqs, key[1], hit[1])
             return hit[1]
-        angles = positions.to(freqs.dtype).unsqueeze(-1) * freqs
-        cos, sin = angles.cos(), angles.sin()
-        c = torch.stack([cos, cos], dim=-1).flatten(-2)
-        s = torch.stack([-sin, sin], dim=-1).flatten(-2)
+        pair_freqs, signs, neg_signs = self._pairs(freqs)
+        angles = positions.to(freqs.dtype).unsqueeze(-1) * pair_freqs  # each angle twice: (f_0, f_0, f_1, f_1, ...)
+        c = angles.cos()
+        sin = angles.sin_()
+        s = sin * signs  # (-sin, +sin) per pair: the sign flips are exact
         if len(self._tables) >= TABLES_KEPT:
             self._tables.pop(next(iter(self._tables)))
-        tables = (c, s, -s)
+        tables = (c, s, sin.mul_(neg_signs))
         self._tables[key] = (positions, tables)
         self._last = (positions, freqs, key[1], tables)
         return tables
+
+    def _pairs(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each frequency twice [rope_dim], the signs (-1, +1, -1, +1, ...), their negation) in `freqs`'
+        dtype and device: the tables' per-element factors, made once per frequency tensor."""
+        got = self._pair_of.get(id(freqs))
+        if got is None or got[0] is not freqs:
+            signs = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.numel())
+            got = self._pair_of[id(freqs)] = (freqs, freqs.repeat_interleave(2), signs, -signs)
+        return got[1], got[2], got[3]
 
     def native_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(C, S, -S) [P, rope_dim] fp32 on the CPU for positions [P]: the tables `rotate`'s native

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kvshare.config import ModelConfig
+from kvshare.kernels.pack_memo import per_generation
 from kvshare.layers import KernelChoice, bind_model
 from kvshare.layers import switches
 from kvshare.layers.mhc import HcWeights, Mhc
@@ -66,10 +67,12 @@ class Block(nn.Module):
         self.mhc = Mhc(cfg.arch == "v41", cfg.hidden_size, cfg.rms_norm_eps, cfg.hc_eps)
 
     def _hc_weights(self, sub: str) -> HcWeights:
-        """Sublayer `sub`'s ("attn" / "ffn") mHC parameters and constants."""
+        """Sublayer `sub`'s ("attn" / "ffn") mHC parameters and constants (gathered again after any
+        parameter registration: a replaced Parameter is seen)."""
         cfg = self.cfg
-        return HcWeights(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                         getattr(self, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return per_generation(self, f"_hc_weights_{sub}", lambda: HcWeights(
+            getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
+            cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters))
 
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,12 +147,12 @@ Tensor index_topk_op(const Tensor& q, const Tensor& w, const Tensor& keys, bool 
 
 // The indexer's query side and its top-k in one call (`kernels.attn_proj.index_select`): index_query,
 // then `index_topk` over the keys (in place with `tables`, else gathered rows). No tensor when stale.
-std::vector<Tensor> index_select_op(const Tensor& qr, const Tensor& x, at::TensorList packs, const Tensor& meta,
-                                    at::TensorList watch, const Tensor& stamps, const Tensor& c, const Tensor& s,
+std::vector<Tensor> index_select_op(const Tensor& qr, const Tensor& x, int64_t set, const Tensor& c, const Tensor& s,
                                     int64_t heads, double scale, int64_t qr_block, c10::string_view isa,
                                     const Tensor& keys, bool keys_bf16, const OptTensor& tables, const Tensor& seq,
                                     const Tensor& counts, int64_t ratio, int64_t block_size, int64_t k) {
-  auto qw = index_query(qr, x, ProjSet{packs, meta, watch, stamps}, c, s, heads, scale, qr_block, std::string(isa));
+  const auto ps = pack_set_get(set, "kernels.index_select");
+  auto qw = index_query(qr, x, proj_set(*ps), c, s, heads, scale, qr_block, std::string(isa));
   if (!qw.has_value()) return {};
   return {index_topk_op((*qw)[0], (*qw)[1], keys, keys_bf16, tables, seq.contiguous(), counts.contiguous(), ratio,
                         block_size, k)};
@@ -166,9 +166,10 @@ TORCH_LIBRARY_FRAGMENT(kvshare, m) {
         "Tensor? seq, Tensor? picks, Tensor? counts, int ratio, int block_size, Tensor sink, float scale) -> Tensor");
   m.def("index_topk(Tensor q, Tensor w, Tensor keys, bool keys_bf16, Tensor? tables, Tensor seq, Tensor counts, "
         "int ratio, int block_size, int k) -> Tensor");
-  m.def("index_select(Tensor qr, Tensor x, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, Tensor c, "
-        "Tensor s, int heads, float scale, int qr_block, str isa, Tensor keys, bool keys_bf16, Tensor? tables, "
-        "Tensor seq, Tensor counts, int ratio, int block_size, int k) -> Tensor[]");
+  // set: a pack set (pack_set.h) of wq_b and weights_proj
+  m.def("index_select(Tensor qr, Tensor x, int set, Tensor c, Tensor s, int heads, float scale, int qr_block, "
+        "str isa, Tensor keys, bool keys_bf16, Tensor? tables, Tensor seq, Tensor counts, int ratio, int block_size, "
+        "int k) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kvshare, CPU, m) {

@@ -2,7 +2,6 @@
 // its own: packed_gemm, decode.cpp's rms_norm / rope and fp8.h's FP8 rounding, in the torch
 // path's order, so its bits.
 #include "attn_proj.h"
-#include <cstring>
 #include "decode.h"
 #include "packed_gemm.h"
 
@@ -13,16 +12,7 @@ constexpr const char* kIn = "kernels.attn_in";
 constexpr const char* kOut = "kernels.attn_out";
 constexpr const char* kIdx = "kernels.index_query";
 
-// Whether every watched tensor still has the address, version and dtype it had when the packs were
-// made (moe_stamps' key).
-bool stamps_match(const ProjSet& set, const char* who) {
-  const auto& st = set.stamps;
-  TORCH_CHECK(st.scalar_type() == torch::kInt64 && st.is_contiguous() &&
-              st.numel() == 3 * static_cast<int64_t>(set.watch.size()),
-              who, ": stamps must be int64 [", set.watch.size(), ", 3], got ", st.sizes());
-  const auto fresh = moe_stamps(set.watch);
-  return std::memcmp(fresh.data_ptr<int64_t>(), st.data_ptr<int64_t>(), sizeof(int64_t) * st.numel()) == 0;
-}
+bool stamps_match(const ProjSet& set, const char* who) { return stamps_fresh(set.watch, set.stamps, who); }
 
 // The set's linears (wq_a, wq_b, wkv, wo_a groups, wo_b), checked, each taking `bf16` activations
 // or fp32 ones.
@@ -207,21 +197,21 @@ c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in
 namespace kvshare_kernels {
 namespace {
 
-// The ops: `attn_in` / `attn_out` with the pack set's tensors as arguments; an empty list when stale.
-std::vector<torch::Tensor> attn_in_op(const torch::Tensor& x, at::TensorList packs, const torch::Tensor& meta,
-                                      at::TensorList watch, const torch::Tensor& stamps, const torch::Tensor& q_norm_w,
+// The ops: `attn_in` / `attn_out` of a registered pack set (pack_set.h); an empty list when stale.
+std::vector<torch::Tensor> attn_in_op(const torch::Tensor& x, int64_t set, const torch::Tensor& q_norm_w,
                                       const torch::Tensor& kv_norm_w, double eps, const torch::Tensor& c,
                                       const torch::Tensor& s, int64_t heads, bool head_norm, int64_t x_block,
                                       int64_t qr_block, c10::string_view isa) {
-  auto out = attn_in(x, ProjSet{packs, meta, watch, stamps}, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,
+  const auto ps = pack_set_get(set, kIn);
+  auto out = attn_in(x, proj_set(*ps), q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,
                      qr_block, std::string(isa));
   return out.has_value() ? *out : std::vector<torch::Tensor>{};
 }
 
-std::vector<torch::Tensor> attn_out_op(const torch::Tensor& o, at::TensorList packs, const torch::Tensor& meta,
-                                       at::TensorList watch, const torch::Tensor& stamps, const torch::Tensor& c,
-                                       const torch::Tensor& s, int64_t u_block, int64_t out_dim, c10::string_view isa) {
-  auto y = attn_out(o, ProjSet{packs, meta, watch, stamps}, c, s, u_block, std::string(isa));
+std::vector<torch::Tensor> attn_out_op(const torch::Tensor& o, int64_t set, const torch::Tensor& c, const torch::Tensor& s,
+                                       int64_t u_block, int64_t out_dim, c10::string_view isa) {
+  const auto ps = pack_set_get(set, kOut);
+  auto y = attn_out(o, proj_set(*ps), c, s, u_block, std::string(isa));
   if (!y.has_value()) return {};
   TORCH_CHECK(y->size(1) == out_dim, "kernels.attn_out: wo_b has ", y->size(1), " outputs, the call states ", out_dim);
   return {*y};
@@ -231,12 +221,11 @@ std::vector<torch::Tensor> attn_out_op(const torch::Tensor& o, at::TensorList pa
 }  // namespace kvshare_kernels
 
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
-  m.def("attn_in(Tensor x, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, Tensor q_norm_w, "
-        "Tensor kv_norm_w, float eps, Tensor c, Tensor s, int heads, bool head_norm, int x_block, int qr_block, "
-        "str isa) -> Tensor[]");
+  // set: a pack set (pack_set.h) of wq_a, wq_b, wkv, the wo_a groups and wo_b
+  m.def("attn_in(Tensor x, int set, Tensor q_norm_w, Tensor kv_norm_w, float eps, Tensor c, Tensor s, int heads, "
+        "bool head_norm, int x_block, int qr_block, str isa) -> Tensor[]");
   // out_dim (wo_b's outputs, checked) gives the result's width without reading `meta`
-  m.def("attn_out(Tensor o, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, Tensor c, Tensor s, "
-        "int u_block, int out_dim, str isa) -> Tensor[]");
+  m.def("attn_out(Tensor o, int set, Tensor c, Tensor s, int u_block, int out_dim, str isa) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kvshare, CPU, m) {

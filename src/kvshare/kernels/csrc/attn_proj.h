@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 #include "fp8.h"
-#include "moe.h"  // moe_stamps
+#include "pack_set.h"
 
 namespace kvshare_kernels {
 
 // The pack set (kernels/attn_proj.py `ProjPacks`): linear l has meta row l (packed_gemm.h's
 // PACKED_META fields) and tensors packs[2 l] (data), packs[2 l + 1] (exps), in the order
-// wq_a, wq_b, wkv, wo_a group 0 .. G-1, wo_b. `watch` / `stamps`: moe.h's `moe_stamps` key; a
+// wq_a, wq_b, wkv, wo_a group 0 .. G-1, wo_b. `watch` / `stamps`: pack_set.h's `moe_stamps` key; a
 // mismatch means a weight changed since the packs were made, and the calls return nothing.
 struct ProjSet {
   at::TensorList packs;
@@ -25,6 +25,9 @@ struct ProjSet {
   at::TensorList watch;
   const torch::Tensor& stamps;
 };
+
+// The registered set `id` (pack_set.h) as a ProjSet (valid while `ps` is held).
+inline ProjSet proj_set(const PackSet& ps) { return ProjSet{ps.packs, ps.meta, ps.watch, ps.stamps}; }
 
 // (qr [T, q_lora], q [T, H, d], kv [T, d]) in x's dtype for x [T, D] (bf16 / fp32): q_norm_w
 // [q_lora] and kv_norm_w [d] fp32 RMSNorm weights, eps; c, s [T, rd] fp32 RoPE tables (the

@@ -26,37 +26,14 @@ void stage_rows(const char* src, int64_t k, int64_t kp, int64_t es, int64_t m, i
   if (rows > m) memset(stage + m * kp * es, 0, (rows - m) * kp * es);
 }
 
-int64_t dtype_code(const torch::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
-
 }  // namespace
-
-torch::Tensor moe_stamps(at::TensorList watch) {
-  auto out = torch::empty({static_cast<int64_t>(watch.size()), 3}, torch::kInt64);
-  auto* o = out.data_ptr<int64_t>();
-  for (size_t i = 0; i < watch.size(); ++i) {
-    const auto& t = watch[i];
-    o[3 * i] = reinterpret_cast<int64_t>(t.data_ptr());
-    o[3 * i + 1] = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
-    o[3 * i + 2] = dtype_code(t);
-  }
-  return out;
-}
 
 c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                                          at::TensorList packs, const torch::Tensor& meta,
                                          at::TensorList watch, const torch::Tensor& stamps,
                                          double limit, int64_t x_block, int64_t h_block, const std::string& isa) {
   // ---- the pack set is still the layer's weights ----
-  TORCH_CHECK(stamps.scalar_type() == torch::kInt64 && stamps.is_contiguous() &&
-              stamps.numel() == 3 * static_cast<int64_t>(watch.size()),
-              "kernels.moe_experts: stamps must be int64 [", watch.size(), ", 3], got ", stamps.sizes());
-  const auto* st = stamps.data_ptr<int64_t>();
-  for (size_t i = 0; i < watch.size(); ++i) {
-    const auto& t = watch[i];
-    if (reinterpret_cast<int64_t>(t.data_ptr()) != st[3 * i] || dtype_code(t) != st[3 * i + 2] ||
-        (t.is_inference() ? -1 : static_cast<int64_t>(t._version())) != st[3 * i + 1])
-      return c10::nullopt;
-  }
+  if (!stamps_fresh(watch, stamps, "kernels.moe_experts")) return c10::nullopt;
   // ---- arguments ----
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2 &&
               (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
@@ -168,10 +145,10 @@ namespace {
 
 // The op: `moe_experts`' result as a list, empty when the pack set is stale.
 std::vector<torch::Tensor> moe_experts_op(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                                          at::TensorList packs, const torch::Tensor& meta, at::TensorList watch,
-                                          const torch::Tensor& stamps, double limit, int64_t x_block, int64_t h_block,
-                                          c10::string_view isa) {
-  auto y = moe_experts(x, ids, weights, packs, meta, watch, stamps, limit, x_block, h_block, std::string(isa));
+                                          int64_t set, double limit, int64_t x_block, int64_t h_block, c10::string_view isa) {
+  const auto ps = pack_set_get(set, "kernels.moe_experts");
+  auto y = moe_experts(x, ids, weights, ps->packs, ps->meta, ps->watch, ps->stamps, limit, x_block, h_block,
+                       std::string(isa));
   if (!y.has_value()) return {};
   return {*y};
 }
@@ -180,13 +157,9 @@ std::vector<torch::Tensor> moe_experts_op(const torch::Tensor& x, const torch::T
 }  // namespace kvshare_kernels
 
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
-  m.def("moe_stamps(Tensor[] watch) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] packs, Tensor meta, Tensor[] watch, Tensor stamps, "
-        "float limit, int x_block, int h_block, str isa) -> Tensor[]");
-}
-
-TORCH_LIBRARY_IMPL(kvshare, CompositeExplicitAutograd, m) {
-  m.impl("moe_stamps", &kvshare_kernels::moe_stamps);  // reads addresses and versions: any device
+  // set: a pack set (pack_set.h) of the layer's expert linears
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, int set, float limit, int x_block, int h_block, str isa) "
+        "-> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kvshare, CPU, m) {

@@ -8,16 +8,13 @@
 #include <string>
 #include <vector>
 #include "fp8.h"
+#include "pack_set.h"  // moe_stamps, stamps_fresh, the registered sets the op takes
 #include "packed_gemm.h"
 
 namespace kvshare_kernels {
 
 // Number of int64 fields per linear in `meta`: fmt, n, k, kp, bk, group_exps (packed_gemm.h's layout).
 constexpr int64_t MOE_META = PACKED_META;
-
-// (data_ptr, version (-1 for an inference tensor), dtype) of each tensor, [L, 3] int64: the stamps
-// a layer's pack set is valid for.
-torch::Tensor moe_stamps(at::TensorList watch);
 
 // The experts of one MoE layer for tokens x [T, D] (bf16 or fp32, contiguous): ids [T, k] int64 in
 // [0, E), weights [T, k] fp32. Linear l = 3 e + (0: w1, 1: w3, 2: w2) for e < E routed experts and
