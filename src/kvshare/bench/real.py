@@ -217,6 +217,9 @@ def build_section(opts: RealOptions, cfg: Any, runs: dict[int, dict[str, list]],
         f"{opts.new_tokens} tokens after a {opts.prompt_len}-token prompt, tok/s = batch / median step; prefill: "
         f"one {opts.prefill_len}-token prompt to its first token",
         f"weight bytes per batch-1 decode token (kvshare, packed): {weight_bytes / 1e6:.1f} MB",
+        "loads in fresh processes; llama.cpp maps the GGUF (its load time is the mapping; the file, just written, "
+        "is in the page cache and its mapped pages count in its RSS), kvshare reads and packs; 'incl. an 8-token "
+        "generation': the peak growth once a generation has touched the weights",
         f"kvshare greedy tokens identical at every thread count and round: {'yes' if same else 'NO'}",
     ]
     if agree:

@@ -42,6 +42,9 @@ def summarise(rounds: list[dict[str, float]]) -> dict[str, Any]:
             continue
         out[key] = min(vals) if key in STEPS else max(vals)
         out[f"{key}_median"] = statistics.median(vals)
+    loads = [r["loadavg"] for r in rounds if "loadavg" in r]
+    if loads:
+        out["loadavg_max"] = max(loads)
     return out
 
 
@@ -91,6 +94,8 @@ def speed_rows(threads: int, kv: dict[str, Any], lc: dict[str, Any] | None, weig
     rows.append([threads, "copy read bandwidth GB/s", kv.get("copy_read_gbps"), None, None, ""])
     rows.append([threads, "weight bytes per decode token / copy bandwidth", share, None, None,
                  f">= {TARGET_BANDWIDTH}"])
+    rows.append([threads, "1-minute load average, highest after a round", kv.get("loadavg_max"),
+                 lc.get("loadavg_max") if lc else None, None, ""])
     if not math.isnan(share):
         targets.append(Target(f"weight bytes per decode token / copy read bandwidth at {threads} thread(s)",
                               share, TARGET_BANDWIDTH, ">="))
