@@ -107,6 +107,8 @@ def test_summary_takes_each_measures_best_and_the_table_its_targets() -> None:
                    "prefill 512 tokens at 2 thread(s), kvshare / llama.cpp": (2.5, 2.0, True),
                    "weight bytes per decode token / copy read bandwidth at 2 thread(s)": (0.7, 0.7, True)}
     assert rows[1][1:5] == ["decode batch 1, median step ms", 100.0, 200.0, 0.5]
+    share_row = next(r for r in rows if r[1].startswith("weight bytes per decode token"))
+    assert share_row[2:4] == [pytest.approx(0.7), pytest.approx(0.35)]  # the same bytes over llama.cpp's step
     # batch 1's target is stated at 1 and 2 threads only; without llama.cpp only the bandwidth one
     assert not any("batch 1" in t.name for t in speed_rows(4, kv, lc, 1, 512)[1])
     rows, targets = speed_rows(1, kv, None, 700_000_000, 512)

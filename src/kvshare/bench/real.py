@@ -152,7 +152,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def run_rounds(opts: RealOptions, engines: dict[str, Any], lc_model: Any) -> dict[int, dict[str, list]]:
     """Warm-ups, then `opts.repeats` alternating rounds (module doc); per thread count the raw rounds."""
     from kvshare.bench.gen import equal_length_prompts
-    from kvshare.bench.measure import copy_bandwidth
+    from kvshare.bench.measure import copy_bandwidth, read_bandwidth
     from kvshare.bench.real_llamacpp import lc_round
 
     v = opts.vocab
@@ -171,11 +171,13 @@ def run_rounds(opts: RealOptions, engines: dict[str, Any], lc_model: Any) -> dic
         for t in order:
             torch.set_num_threads(t)
             copy = copy_bandwidth(opts.copy_mib * 2**20)["read_gbps"]
+            read = read_bandwidth(opts.copy_mib * 2**20)
             sides = ["kvshare", "llamacpp"] if (r + t) % 2 == 0 else ["llamacpp", "kvshare"]
             for side in sides:
                 if side == "kvshare":
                     runs[t]["kvshare"].append({**kv_round(engines, prompts, opts.new_tokens, f"r{r}t{t}"),
-                                               "copy_read_gbps": copy, "loadavg": os.getloadavg()[0]})
+                                               "copy_read_gbps": copy, "sum_read_gbps": read,
+                                               "loadavg": os.getloadavg()[0]})
                 elif lc_model is not None:
                     runs[t]["llamacpp"].append({**lc_round(lc_model, t, prompts, opts.new_tokens),
                                                 "loadavg": os.getloadavg()[0]})
