@@ -197,7 +197,8 @@ def build_section(opts: RealOptions, cfg: Any, runs: dict[int, dict[str, list]],
     sec = Section("real", f"{opts.model} at its real per-layer sizes ({cfg.num_hidden_layers} layers, "
                   f"{cfg.n_routed_experts} routed experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}"
                   f" + 1 shared, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}{size}): kvshare (FP8 / FP4 packed) "
-                  "vs llama.cpp (MXFP4 experts, Q8_0 from FP8)", list(COLUMNS))
+                  + ("vs llama.cpp (MXFP4 experts, Q8_0 from FP8)" if any(runs[t]["llamacpp"] for t in opts.threads)
+                     else "alone (llama.cpp did not run, see the notes)"), list(COLUMNS))
     rows, targets = load_rows(kv_load, lc_load)
     summary: dict[int, dict[str, Any]] = {}
     kv_tokens: list[Any] = []
