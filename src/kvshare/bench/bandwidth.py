@@ -2,7 +2,8 @@
 
 Bytes read per decode step (a model, not a hardware counter):
 
-* weights: every parameter once, except the routed experts and the embedding table. A step of B
+* weights: every parameter once (a packed FP8 / FP4 weight at its packed bytes), except the routed
+  experts and the embedding table. A step of B
   tokens routes each to k of E experts, so a layer reads, in expectation,
   ``E * (1 - (1 - k/E) ** B)`` distinct experts; the embedding reads only B rows.
 * cache: for every sequence its whole compressed cache (``bytes_per_token * context`` of the
@@ -29,18 +30,28 @@ _EMBED = re.compile(r"(^|\.)embed(_tokens)?\.weight$")
 
 
 def weight_bytes_per_step(model: torch.nn.Module, n_experts: int, experts_per_tok: int, batch: int) -> int:
-    """Expected parameter bytes one decode step of `batch` tokens reads (see module docstring)."""
+    """Expected weight bytes one decode step of `batch` tokens reads (see module docstring).
+
+    Weights a `Linear` holds packed (FP8 / FP4 as stored, `Linear.qweight`) count their packed bytes
+    (codes plus scale exponents; their `weight` parameter is then empty); speed copies (oneDNN's)
+    are not counted, they replace the weight they copy."""
+    from kvshare.layers.linear import Linear
+
     per_layer_expert_bytes = 0
     other = 0
     embed_row_bytes = 0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if _EXPERT.search(name):
-            per_layer_expert_bytes += nbytes
-        elif _EMBED.search(name):
-            embed_row_bytes = p.shape[-1] * p.element_size()
-        else:
-            other += nbytes
+    for mod_name, mod in model.named_modules():
+        leaves = [(f"{mod_name}.{leaf}" if mod_name else leaf, p) for leaf, p in mod.named_parameters(recurse=False)]
+        if isinstance(mod, Linear) and mod.qweight is not None:
+            leaves.append((f"{mod_name}.qweight", mod.qweight))
+        for name, p in leaves:
+            nbytes = p.nbytes
+            if _EMBED.search(name):
+                embed_row_bytes = nbytes // max(1, p.shape[0])
+            elif _EXPERT.search(name):
+                per_layer_expert_bytes += nbytes
+            else:
+                other += nbytes
     touched = n_experts * (1 - (1 - experts_per_tok / n_experts) ** batch) if n_experts else 0.0
     experts = per_layer_expert_bytes * touched / n_experts if n_experts else 0
     return int(other + experts + batch * embed_row_bytes)

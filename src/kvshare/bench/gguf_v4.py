@@ -20,6 +20,12 @@ the matrices kvshare runs in bf16 (attention, experts, indexer query, embedding,
 and keeps what kvshare keeps in fp32 (mHC, compressors, router, norms) as stored, as upstream
 does for the released checkpoint's FP8 matrices. (``llama_model_quantize`` would quantise the
 fp32 matrices too.)
+
+``--outtype released`` converts a checkpoint in the release's formats (``kvshare.bench.real_checkpoint``:
+FP4 experts with ue8m0 scales, FP8 linears with 128 x 128 block scales) with upstream's rules
+unchanged, only the vocabulary id-only: FP4 experts repacked losslessly to MXFP4, FP8 linears
+dequantised and written Q8_0, bf16 tensors BF16, fp32 ones F32 (upstream's conversion of
+DeepSeek-V4-Flash, file type MOSTLY_MXFP4_MOE).
 """
 
 from __future__ import annotations
@@ -96,19 +102,37 @@ def _converter_class() -> Any:
     return KvshareV4Model
 
 
+def _released_converter_class() -> Any:
+    """Upstream's DeepseekV4Model with an id-only vocabulary (the benchmark checkpoints have no tokenizer)."""
+    import gguf
+    from conversion.deepseek import DeepseekV4Model
+
+    class KvshareReleasedV4Model(DeepseekV4Model):
+        """Upstream's conversion of a released-format V4 checkpoint (MXFP4 experts, Q8_0 from FP8)."""
+
+        model_arch = gguf.MODEL_ARCH.DEEPSEEK4
+
+        def set_vocab(self) -> None:
+            self.gguf_writer.add_tokenizer_model("none")
+            self.gguf_writer.add_vocab_size(int(self.hparams["vocab_size"]))
+
+    return KvshareReleasedV4Model
+
+
 def convert(ckpt_dir: Path, out_path: Path, outtype: str = "bf16") -> Path:
     """Convert `ckpt_dir` (config.json + safetensors, kvshare's released naming) to a GGUF.
 
     `outtype` "bf16": bf16 tensors BF16, fp32 ones F32 (upstream's rule for V4); "q8_0": the
-    matrices kvshare runs in bf16 Q8_0, the rest as "bf16"; "f32": all F32."""
+    matrices kvshare runs in bf16 Q8_0, the rest as "bf16"; "f32": all F32; "released": a
+    released-format checkpoint by upstream's rules (module doc)."""
     import gguf
     import torch
 
     ftypes = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-              "f32": gguf.LlamaFileType.ALL_F32}
+              "f32": gguf.LlamaFileType.ALL_F32, "released": gguf.LlamaFileType.MOSTLY_BF16}
     if outtype not in ftypes:
         raise ValueError(f"outtype must be one of {sorted(ftypes)}, got {outtype!r}")
-    cls = _converter_class()
+    cls = _released_converter_class() if outtype == "released" else _converter_class()
     with torch.inference_mode():
         model = cls(Path(ckpt_dir), ftypes[outtype], Path(out_path), model_name="kvshare-bench-v4")
         model.write()
@@ -119,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt_dir", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("--outtype", default="bf16", choices=["bf16", "q8_0", "f32"])
+    p.add_argument("--outtype", default="bf16", choices=["bf16", "q8_0", "f32", "released"])
     args = p.parse_args(argv)
     import logging
 

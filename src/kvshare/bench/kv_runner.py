@@ -41,8 +41,10 @@ def blocks_needed(batch: int, max_len: int, block_size: int) -> int:
 def make_engine(model: torch.nn.Module, *, batch: int, max_len: int, block_size: int, dtype: str,
                 device: str, share_kv_cache: bool = True, num_blocks: int | None = None,
                 memory_bytes: int | None = None, max_batched_tokens: int | None = None,
-                enable_prefix_caching: bool = True) -> Any:
-    """An `LLMEngine` over `model` with quantisation off, sized for `batch` sequences of `max_len`."""
+                enable_prefix_caching: bool = True, quantize: bool = False, threads: int | None = None) -> Any:
+    """An `LLMEngine` over `model` sized for `batch` sequences of `max_len`; quantisation off unless
+    `quantize` (the release's FP8 activations and cache formats); `threads`: the engine's
+    `EngineArgs.threads` (None: its default, one thread for a model under 100M parameters)."""
     try:
         from kvshare.llm import LLMEngine
     except ImportError:
@@ -51,7 +53,8 @@ def make_engine(model: torch.nn.Module, *, batch: int, max_len: int, block_size:
     kw: dict[str, Any] = dict(
         block_size=block_size, max_num_seqs=batch, max_model_len=max_len,
         max_num_batched_tokens=max_batched_tokens or batch * max_len, dtype=dtype, device=device,
-        share_kv_cache=share_kv_cache, quantize=False, enable_prefix_caching=enable_prefix_caching)
+        share_kv_cache=share_kv_cache, quantize=quantize, enable_prefix_caching=enable_prefix_caching,
+        threads=threads)
     if memory_bytes is not None:
         kw["gpu_memory_bytes"] = memory_bytes
     else:

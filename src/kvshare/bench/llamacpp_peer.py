@@ -192,6 +192,9 @@ def unsupported(cfg: Any) -> str | None:
     if cfg.index_head_dim % 64:
         return (f"llama.cpp's deepseek4 rotates index keys with a Hadamard matrix of at least 64 x 64, so "
                 f"index_head_dim must be a multiple of 64 (got {cfg.index_head_dim})")
+    if not ratios - {0}:
+        return ("llama.cpp's deepseek4 needs a compressed layer (ratio 4 or 128): context creation dies of a "
+                "division by zero (SIGFPE) when every layer is a sliding-window one; use 3 or more V4 layers")
     if cfg.hc_mult != 4:
         return f"llama.cpp's deepseek4 asserts hc_mult == 4 (got {cfg.hc_mult})"
     return None

@@ -6,7 +6,8 @@
   ``malloc_trim`` so an earlier region's garbage does not hide a later one's growth. On CUDA it
   also reports ``torch.cuda.max_memory_allocated``.
 * ``sync`` / ``now``: a device-synchronising clock.
-* ``copy_bandwidth``: the machine's measured memory bandwidth (a large tensor copy).
+* ``copy_bandwidth``: the machine's measured memory bandwidth (a large tensor copy);
+  ``read_bandwidth``: a read-only stream (a large tensor's sum).
 * ``load_note``: the 1-minute load average and core count, printed next to every result because
   other processes share this machine's cores.
 """
@@ -154,6 +155,23 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: torch.device
     malloc_trim()
     return {"bytes": float(n * 4), "seconds": best, "read_write_gbps": moved / best / 1e9,
             "read_gbps": moved / 2 / best / 1e9}
+
+
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Measured read-only bandwidth in GB/s: best of `repeats` sums of an `nbytes` float32 tensor on
+    the CPU (torch's intra-op threads). A stream that only reads runs faster than half a copy (no
+    writes), so this is the ceiling a decode step's weight reads can approach."""
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    x.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    size = x.numel() * 4
+    del x
+    malloc_trim()
+    return size / best / 1e9
 
 
 def load_note() -> dict[str, Any]:

@@ -12,7 +12,6 @@ second against the copy bandwidth measured in the same section.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from typing import Any
 
@@ -28,8 +27,6 @@ from kvshare.config import ModelConfig
 TARGET_DECODE_B1 = 3.0
 TARGET_DECODE_B8 = 2.5
 TARGET_BANDWIDTH_FRACTION = 0.6
-_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
-_EMBED = re.compile(r"(^|\.)embed(_tokens)?\.weight$")
 
 
 def quantised_checkpoint(cfg: ModelConfig, seed: int, out_dir: str) -> int:
@@ -48,28 +45,10 @@ def quantised_checkpoint(cfg: ModelConfig, seed: int, out_dir: str) -> int:
 
 def decode_read_bytes(model: torch.nn.Module, n_experts: int, k: int, batch: int) -> int:
     """Weight bytes one decode step of `batch` tokens reads (packed bytes for packed weights):
-    everything but the routed experts and the embedding once, ``E (1 - (1 - k/E)^B)`` experts per
-    layer in expectation, one embedding row per token."""
-    from kvshare.layers.linear import Linear
+    `bandwidth.weight_bytes_per_step`."""
+    from kvshare.bench.bandwidth import weight_bytes_per_step
 
-    expert = other = embed_row = 0
-    for name, mod in model.named_modules():
-        for leaf, p in mod.named_parameters(recurse=False):
-            full = f"{name}.{leaf}" if name else leaf
-            nb = p.numel() * p.element_size()
-            if _EMBED.search(full):
-                embed_row = nb // max(1, p.shape[0])
-            elif _EXPERT.search(full):
-                expert += nb
-            else:
-                other += nb
-        if isinstance(mod, Linear) and mod.qweight is not None:
-            if _EXPERT.search(name + "."):
-                expert += mod.qweight.nbytes
-            else:
-                other += mod.qweight.nbytes
-    per_expert = expert / n_experts
-    return int(other + per_expert * n_experts * (1 - (1 - k / n_experts) ** batch) + embed_row * batch)
+    return weight_bytes_per_step(model, n_experts, k, batch)
 
 
 def quantised_section(s: BenchSizes, *, device: str = "cpu", with_peer: bool = True) -> Section:

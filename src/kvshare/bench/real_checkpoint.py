@@ -47,8 +47,12 @@ def real_config(model: str, layers: int, experts: int, vocab: int = 8192) -> Mod
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
     base = load_config(MODELS[model])
     d = base.to_dict()
+    # no MTP layer (the benchmark has no draft): without num_nextn_predict_layers=0 the written
+    # config.json would read back with a draft entry appended to compress_ratios, so it would not
+    # round-trip and hf_style_config would fall back to kvshare's own format, which llama.cpp's
+    # converter cannot read (no `architectures`)
     d.update(num_hidden_layers=layers, n_routed_experts=experts, vocab_size=vocab,
-             num_experts_per_tok=min(base.num_experts_per_tok, experts))
+             num_experts_per_tok=min(base.num_experts_per_tok, experts), num_nextn_predict_layers=0)
     if base.arch == "v4":
         d.update(compress_ratios=[0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)],
                  num_hash_layers=min(1, layers))
