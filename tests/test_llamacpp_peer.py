@@ -95,7 +95,7 @@ def _ks_logits(model: torch.nn.Module, ids: torch.Tensor, prefix: int | None,
                monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """kvshare fp32 logits: every position of one prefill, or a `prefix` prefill then one token per
     step; asserts that no index-score row has a near-tie at the top-k boundary."""
-    import kvshare.model.indexer as indexer
+    import kvshare.layers.index_select as indexer  # the module whose select_topk the indexer calls
     from kvshare.cache.dense import DenseCache
     from kvshare.step import StepBatch
 
