@@ -26,8 +26,6 @@ def _free(set_id: int) -> None:
 class RegisteredSet:
     """A pack set in the native registry: `id` is what the ops take; freed when this object is collected."""
 
-    __slots__ = ("id", "__weakref__")
-
     @torch.compiler.disable  # registration is a side effect on the library, not traceable work
     def __init__(self, packs: list[torch.Tensor], meta: torch.Tensor, watch: list[torch.Tensor]) -> None:
         self.id = int(torch.ops.kvshare.pack_set_new(packs, meta, watch))
