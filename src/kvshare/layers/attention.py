@@ -124,10 +124,11 @@ class PagedAttention(BoundOp):
         cache = ctx.cache
         if q.dtype != kv.dtype:
             return None
-        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch) if self.ratio > 0 else None
+        decode = self.decode_pays(ctx, picks)
+        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch, decode=decode) if self.ratio > 0 else None
         if self.ratio > 0 and rows is None:
             return None
-        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch)
+        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch, decode=decode)
         if win is None:
             return None
         if rows is None:
@@ -140,6 +141,18 @@ class PagedAttention(BoundOp):
             picks = picks[:, :pre.width]
         return paged_attention(q, win.ring, win.step, win.meta, win.depth, sink, self.scale, rows.view,
                                rows.tables, ctx.seq_index, picks, counts, rows.ratio, rows.block_size)
+
+    def decode_pays(self, ctx: "StepContext", picks: torch.Tensor | None) -> bool:
+        """Whether quantised cache rows are better decoded once for this step (the step's window
+        rings and prefix blocks, `in_place` then reads the copies) than gathered per query row (T
+        rows x (window + picks), each decoded): when the step reads more rows than its sequences
+        hold (a prefill chunk of T tokens: T x (W + k) rows gathered vs about W + its compressed
+        rows decoded; one decode token per sequence: the gather). Host ints only; either way the
+        kernel sees the same keys in the same order (the same bits)."""
+        addr = ctx.addr
+        width = addr.prefix(self.ratio).width if self.ratio > 0 else 0
+        per_row = self.window + (min(width, picks.shape[1]) if picks is not None else width)
+        return addr.num_tokens * per_row > addr.num_seqs * (self.window + width)
 
     def _rows(self, q: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor | None, ctx: "StepContext",
               sink: torch.Tensor, attend: Attend) -> torch.Tensor:
