@@ -184,8 +184,10 @@ class PagedAttention(BoundOp):
     def _picked(self, ctx: "StepContext", q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor,
                 seq: torch.Tensor, picks: torch.Tensor, sink: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Query rows q [T, H, d] over their window keys, then their picked compressed rows
-        (picks [T, m], -1 = none) gathered from the cache."""
-        rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(picks), picks, ctx.batch)
+        (picks [T, m], -1 = none) gathered from the cache. `seq` [T] goes as it is (the backend
+        broadcasts it): the step's own tensor, so a layer reading the same region with the same picks
+        (a Reuse layer when sharing) gets the rows its source gathered (StepReadCache keys by identity)."""
+        rows = ctx.cache.gather_rows("kv", self.layer, seq, picks, ctx.batch)
         return attend(q, win, win_valid, sink, rows, picks >= 0)
 
     def _attend_torch(self, q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor, sink: torch.Tensor,
