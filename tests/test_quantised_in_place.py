@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_exact import greedy_random_run, spy_logits
 
 from kvshare.config import load_config
 from kvshare.engine.engine import LLMEngine
 from kvshare.kernels import decode as native
 from kvshare.layers.attention import PagedAttention
 from kvshare.model import Transformer
-from test_engine_exact import greedy_random_run, spy_logits
 
 _IN_PLACE = PagedAttention.in_place
 
