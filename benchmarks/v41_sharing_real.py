@@ -12,7 +12,13 @@ median is reported. KV bytes per token: the engine's pool layout (what a token c
 every cache region included), and the planner's figure for the full 40-layer V4.1-Flash config
 (`kvshare plan` arithmetic, no model needed).
 
-    PYTHONPATH=src python benchmarks/v41_sharing_real.py --layers 6 --experts 8 --contexts 1024,8192,32768
+    PYTHONPATH=src python benchmarks/v41_sharing_real.py --layers 6 --experts 8 --contexts 1024,8192,32768 --threads 1
+
+On a shared machine pass ``--threads`` no larger than the idle cores (or export ``OMP_WAIT_POLICY=PASSIVE``
+before starting): OpenMP's threads spin at every barrier, and a spinning thread takes the core another
+kvshare thread needs. On the 2-core development machine at load ~3.5, two threads made decode steps of
+this model 2.1 s instead of 0.19 s on one (and 0.2 s on two with ``OMP_WAIT_POLICY=PASSIVE``); the first
+run of this table (9.5 s steps, ~290 s per 1K tokens of prefill, two threads at load 7-9) was that.
 """
 
 from __future__ import annotations

@@ -142,6 +142,27 @@ def test_row_index_scores_match_the_formula_and_ignore_the_other_rows() -> None:
         assert torch.equal(one[0, :int(n_valid[r])], full[r, :int(n_valid[r])]), r
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_index_scores_of_one_sequence_are_those_beside_another(dtype: torch.dtype) -> None:
+    """A single sequence's rows (keys shared by every row: a stride-0 batch, no per-row copy of the
+    keys) get the bits they get beside another sequence's rows (the keys gathered per row): each row
+    is the same [H, d] x [d, B] product either way. Index-sized heads (32 x 128), a budget small
+    enough to split a bucket over several products. Mutation caught: the shared keys one row off
+    (``kp[0, :b].roll(1, 0)``: both dtypes)."""
+    g = torch.Generator().manual_seed(5)
+    t, h, d, length = 40, 32, 128, 300
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    w = torch.randn(t, h, generator=g)
+    keys = torch.randn(2, length, d, generator=g).to(dtype)
+    n_valid = torch.arange(t) * 7 + 20  # 20 .. 293: several buckets
+    alone = row_index_scores(q, w, keys[:1], torch.zeros(t, dtype=torch.int64), _buckets(n_valid), budget=1 << 18)
+    seq = torch.tensor([0, 1] * (t // 2))
+    other = torch.cat([keys[:1], keys[:1]])  # sequence 1 holds the same keys: every row's expected bits are alone's
+    mixed = row_index_scores(q, w, other, seq, _buckets(n_valid), budget=1 << 18)
+    for r in range(t):
+        assert torch.equal(alone[r, :int(n_valid[r])], mixed[r, :int(n_valid[r])]), r
+
+
 def test_step_addresses_bucket_rows_by_their_own_causal_count() -> None:
     """Written out: rows at positions p of ratio 2 have (p + 1) // 2 entries, rounded up to 4."""
     from kvshare.step import StepBatch

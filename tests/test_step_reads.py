@@ -12,11 +12,12 @@ from kvshare.engine.sampling import SamplingParams
 from test_model_common import make_model, token_ids
 
 
-def _engine(share: bool, name: str = "tiny-v41-deep") -> LLMEngine:
+def _engine(share: bool, name: str = "tiny-v41-deep", **kw) -> LLMEngine:
     model = make_model(name)
     # the batched read paths (prefix reads of whole blocks); a batch-invariant engine reads per row
+    kw.setdefault("batch_invariant", False)
     return LLMEngine(model, max_num_seqs=2, num_blocks=16, max_model_len=192, max_num_batched_tokens=256,
-                     share_kv_cache=share, batch_invariant=False)
+                     share_kv_cache=share, **kw)
 
 
 def _spy_prefix(eng: LLMEngine) -> list[tuple]:
@@ -81,3 +82,29 @@ def test_every_backend_declares_the_in_place_reads() -> None:
     batch = StepBatch.build([0], [4])
     assert dense.window_keys("window", 0, torch.zeros(4, model.cfg.head_dim), 8, batch) is None
     assert dense.pool_keys("kv", 1, torch.float32, batch) is None
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_batch_invariant_decode_reuses_the_sources_gathered_rows(share: bool) -> None:
+    """A batch-invariant engine over FP8 / FP4 cache rows (which the in-place kernel does not read)
+    gathers each decode row's picks (`PagedAttention._picked`); a Reuse
+    layer asks with its source's picks and the step's sequence index, so with sharing on it gets
+    the rows its source gathered (one gather per region and step), with sharing off none.
+    Mutation caught (sharing on): the sequence index expanded per call
+    (``seq.unsqueeze(1).expand_as(picks)``: a new tensor each layer, no hit)."""
+    eng = _engine(share, batch_invariant=True, quantize=True)
+    eng.add_request("a", token_ids(eng.cfg, 40).tolist(), SamplingParams(max_tokens=4))
+    eng.step()  # the prefill
+    reads, seen = eng.backend._reads, []
+    get = reads.get
+
+    def spy(view, kind, key, aux):
+        hit = get(view, kind, key, aux)
+        seen.append((kind, hit is not None))
+        return hit
+
+    reads.get = spy
+    while eng.has_unfinished_requests():
+        eng.step()
+    rows = [hit for kind, hit in seen if kind == "rows"]
+    assert rows and (sum(rows) > 0) == share, seen

@@ -107,17 +107,25 @@ class PagedBackend:
         self._defer(name, layer, self.pool.ring(name, layer, depth, values.shape[-1]), values, batch)
 
     def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int,
-                    batch: StepBatch) -> WindowKeys | None:
+                    batch: StepBatch, decode: bool = False) -> WindowKeys | None:
         """`history` for every token row without the gather: the ring's stored bytes and the step's
         row facts, for a kernel that reads them in place (cache/in_place.py); None where the ring's
-        rows are not plain values of `values`' dtype (the caller then asks `history`). The ring
-        update is deferred exactly as `history` defers it."""
+        rows are not plain values of `values`' dtype (the caller then asks `history`), unless
+        `decode`: quantised rows are then decoded once, the step's slots only (N x ring rows, not
+        T x depth gathered rows), into a ring copy read by sequence (`StepAddresses.window_meta`).
+        The ring update is deferred exactly as `history` defers it."""
         ring = self.pool.ring(name, layer, depth, values.shape[-1])
-        if ring.fmt is None or ring.fmt.plain_dtype != values.dtype:
+        if ring.fmt is None:
+            return None
+        plain = ring.fmt.plain_dtype == values.dtype
+        if not plain and not decode:
             return None
         addr = self._bound(batch)
         self._defer(name, layer, ring, values, batch)
-        return WindowKeys(ring.data, values, addr.window_meta(), depth)
+        if plain:
+            return WindowKeys(ring.data, values, addr.window_meta(), depth)
+        rows = ring.unpack(ring.data[batch.slots], values.dtype)  # [N, ring rows, width]
+        return WindowKeys(rows.view(torch.uint8), values, addr.window_meta(by_sequence=True), depth)
 
     def _defer(self, name: str, layer: int, ring: Ring, values: torch.Tensor, batch: StepBatch) -> None:
         """Queue the ring update of this step's `values` (once per (name, layer) and step)."""
@@ -151,14 +159,30 @@ class PagedBackend:
             view[block, row] = packed
             self._reads.invalidate(view)
 
-    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> PoolKeys | None:
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch,
+                  decode: bool = False) -> PoolKeys | None:
         """The region layer `layer` reads, in place (cache/in_place.py), where its rows are plain
-        values of `dtype`; None otherwise (the caller then gathers with `gather_rows`)."""
-        if self.pool.formats[kind].plain_dtype != dtype:
+        values of `dtype`; None otherwise (the caller then gathers with `gather_rows`), unless
+        `decode`: quantised rows are then decoded once into a copy of the blocks holding the step's
+        prefix rows (``StepAddresses.prefix``: every row a causal reader may reach), with block
+        tables of that copy; layers reading one region in a step share the copy (StepReadCache)."""
+        fmt = self.pool.formats[kind]
+        if fmt.plain_dtype != dtype and not (decode and dtype in (torch.bfloat16, torch.float32)):
             return None
-        self._bound(batch)
-        return PoolKeys(self.pool.read_view(kind, layer), self._tables(batch), self.pool.ratio(layer),
-                        self.block_size)
+        addr = self._bound(batch)
+        tables, ratio, view = self._tables(batch), self.pool.ratio(layer), self.pool.read_view(kind, layer)
+        if fmt.plain_dtype == dtype:
+            return PoolKeys(view, tables, ratio, self.block_size)
+        span = addr.block_span(addr.prefix(ratio), tables, self.block_size)  # [N, C]
+        n, c = span.shape
+        if c == 0:
+            return None
+        rows = self._reads.get(view, "decoded", span, tables)
+        if rows is None:
+            rows = fmt.unpack(view[span], dtype).view(n * c, view.shape[1], -1).view(torch.uint8)
+            self._reads.put(view, "decoded", span, tables, rows)
+        local = torch.arange(n * c, device=tables.device, dtype=tables.dtype).view(n, c)
+        return PoolKeys(rows, local, ratio, self.block_size)
 
     def gather_rows(self, kind: str, layer: int, seq: torch.Tensor, index: torch.Tensor,
                     batch: StepBatch) -> torch.Tensor:

@@ -124,10 +124,11 @@ class PagedAttention(BoundOp):
         cache = ctx.cache
         if q.dtype != kv.dtype:
             return None
-        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch) if self.ratio > 0 else None
+        decode = self.decode_pays(ctx, picks)
+        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch, decode=decode) if self.ratio > 0 else None
         if self.ratio > 0 and rows is None:
             return None
-        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch)
+        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch, decode=decode)
         if win is None:
             return None
         if rows is None:
@@ -140,6 +141,18 @@ class PagedAttention(BoundOp):
             picks = picks[:, :pre.width]
         return paged_attention(q, win.ring, win.step, win.meta, win.depth, sink, self.scale, rows.view,
                                rows.tables, ctx.seq_index, picks, counts, rows.ratio, rows.block_size)
+
+    def decode_pays(self, ctx: "StepContext", picks: torch.Tensor | None) -> bool:
+        """Whether quantised cache rows are better decoded once for this step (the step's window
+        rings and prefix blocks, `in_place` then reads the copies) than gathered per query row (T
+        rows x (window + picks), each decoded): when the step reads more rows than its sequences
+        hold (a prefill chunk of T tokens: T x (W + k) rows gathered vs about W + its compressed
+        rows decoded; one decode token per sequence: the gather). Host ints only; either way the
+        kernel sees the same keys in the same order (the same bits)."""
+        addr = ctx.addr
+        width = addr.prefix(self.ratio).width if self.ratio > 0 else 0
+        per_row = self.window + (min(width, picks.shape[1]) if picks is not None else width)
+        return addr.num_tokens * per_row > addr.num_seqs * (self.window + width)
 
     def _rows(self, q: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor | None, ctx: "StepContext",
               sink: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -171,8 +184,10 @@ class PagedAttention(BoundOp):
     def _picked(self, ctx: "StepContext", q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor,
                 seq: torch.Tensor, picks: torch.Tensor, sink: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Query rows q [T, H, d] over their window keys, then their picked compressed rows
-        (picks [T, m], -1 = none) gathered from the cache."""
-        rows = ctx.cache.gather_rows("kv", self.layer, seq.unsqueeze(1).expand_as(picks), picks, ctx.batch)
+        (picks [T, m], -1 = none) gathered from the cache. `seq` [T] goes as it is (the backend
+        broadcasts it): the step's own tensor, so a layer reading the same region with the same picks
+        (a Reuse layer when sharing) gets the rows its source gathered (StepReadCache keys by identity)."""
+        rows = ctx.cache.gather_rows("kv", self.layer, seq, picks, ctx.batch)
         return attend(q, win, win_valid, sink, rows, picks >= 0)
 
     def _attend_torch(self, q: torch.Tensor, win: torch.Tensor, win_valid: torch.Tensor, sink: torch.Tensor,

@@ -147,11 +147,16 @@ def row_index_scores(
     if width > length:
         kp = torch.cat([kp, kp.new_zeros(kp.shape[0], width - length, d)], dim=1)
     qa, wa = q.to(acc), weights.to(acc)
+    one_seq = kp.shape[0] == 1
     for b, rows in buckets:
         per = max(1, budget // max(1, b * max(d, h)))  # rows per product: bounds memory only
         for r0 in range(0, rows.numel(), per):
             r = rows[r0:r0 + per]
-            kt = kp[seq_index[r], :b].transpose(1, 2)  # [G, d, b]
+            if one_seq:  # every row reads the same keys: a stride-0 batch, not G copies (a prefill
+                # chunk at 8K context copied 4 GB); each batch entry is the same [H, d] x [d, b] product
+                kt = kp[0, :b].t().unsqueeze(0).expand(r.numel(), d, b)
+            else:
+                kt = kp[seq_index[r], :b].transpose(1, 2)  # [G, d, b]
             summed = _per_row_scores(qa[r], wa[r], kt)  # [G, b]
             out[r, :min(b, length)] = summed[:, :length].float()
     return out

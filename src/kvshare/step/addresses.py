@@ -213,13 +213,16 @@ class StepAddresses:
         slot = b.slots[seq][:, None].expand_as(q)
         return RingRead(slot, q.remainder(ring_rows), step_row, q >= start, q >= 0, True, False)
 
-    def window_meta(self) -> torch.Tensor:
+    def window_meta(self, by_sequence: bool = False) -> torch.Tensor:
         """[T, 4] int64 per token row: (slot, position, its chunk's start position, its chunk's first
-        token row): what a kernel needs to address a window read in place (cache/in_place.py)."""
+        token row): what a kernel needs to address a window read in place (cache/in_place.py).
+        `by_sequence`: the row's sequence (0..N-1) in place of its slot, for a ring copy holding the
+        step's slots in batch order."""
         def build() -> torch.Tensor:
             seq = self._seq
-            return self._tensor(np.stack([self._slots[seq], self._pos, self._starts[seq], self._cu[:-1][seq]], 1))
-        return self._cached(("window_meta",), build)  # type: ignore[return-value]
+            first = seq if by_sequence else self._slots[seq]
+            return self._tensor(np.stack([first, self._pos, self._starts[seq], self._cu[:-1][seq]], 1))
+        return self._cached(("window_meta", by_sequence), build)  # type: ignore[return-value]
 
     def ring_write(self, ring_rows: int) -> RingWrite:
         """The rows a ring of `ring_rows` rows keeps after this step (see RingWrite)."""
