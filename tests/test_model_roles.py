@@ -48,10 +48,10 @@ class RecordingCache:
         self.log.append(("gather_prefix", kind, layer, {"n_rows": n_rows.clone()}))
         return self.inner.gather_prefix(kind, layer, n_rows, batch)
 
-    def window_keys(self, name, layer, values, depth, batch):
+    def window_keys(self, name, layer, values, depth, batch, decode=False):
         return self.inner.window_keys(name, layer, values, depth, batch)
 
-    def pool_keys(self, kind, layer, dtype, batch):
+    def pool_keys(self, kind, layer, dtype, batch, decode=False):
         return self.inner.pool_keys(kind, layer, dtype, batch)
 
     def calls(self, method: str, kind: str) -> list[tuple[int, dict[str, Any]]]:

@@ -84,11 +84,12 @@ class DenseCache:
         ring = self._ring(name, layer, depth, values.shape[-1], values.dtype)
         ring.write(batch.addresses().ring_write(ring.rows), values.detach())
 
-    def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch) -> None:
+    def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch,
+                    decode: bool = False) -> None:
         """No in-place reads here (the protocol's capability): readers gather with `history`."""
         return None
 
-    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> None:
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch, decode: bool = False) -> None:
         """No in-place reads here (the protocol's capability): readers gather with ``gather_*``."""
         return None
 

@@ -105,11 +105,14 @@ class CacheBackend(Protocol):
         ...
 
     def window_keys(
-        self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch
+        self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch, decode: bool = False
     ) -> WindowKeys | None:
-        """`history` of every token row, in place (see the class doc), or None where not offered."""
+        """`history` of every token row, in place (see the class doc), or None where not offered;
+        `decode`: quantised rows may be decoded once into a copy read in place."""
         ...
 
-    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch) -> PoolKeys | None:
-        """The compressed rows layer `layer` reads, in place, where they are plain `dtype` values; else None."""
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch,
+                  decode: bool = False) -> PoolKeys | None:
+        """The compressed rows layer `layer` reads, in place, where they are plain `dtype` values (or, with
+        `decode`, quantised rows decoded once into a copy); else None."""
         ...
