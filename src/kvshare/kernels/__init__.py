@@ -32,6 +32,7 @@ from kvshare.kernels import fallback
 from kvshare.kernels.build import best_isa, loaded, supported_isas
 from kvshare.kernels.packed import (FORMAT_ID, Packed, dequantize, pack_bf16, pack_fp4, pack_fp8, pack_fp32,
                                     scale_exponents)
+from kvshare.kernels.ops import ops
 
 __all__ = ["Packed", "available", "dequantize", "isa", "linear", "linear_checked", "pack", "pack_bf16", "pack_fp32", "pack_fp4",
            "pack_fp8", "scale_exponents", "supported_isas"]
@@ -56,7 +57,7 @@ def linear_checked(x: torch.Tensor, p: Packed) -> torch.Tensor:
     """`linear(x, p)` for a caller that has checked ``x.dtype == p.act_dtype``: one native call for a
     2-D x on the default path (the `gemm` op checks x's shape against the weight's)."""
     if x.dim() == 2 and best_isa() != "torch":  # (a native path: the library is loaded)
-        return torch.ops.kvshare.gemm(x, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, best_isa(), False)
+        return ops.gemm(x, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, best_isa(), False)
     return linear(x, p)
 
 
@@ -78,5 +79,5 @@ def linear(x: torch.Tensor, p: Packed, isa: str | None = None, fp32_totals: bool
     else:
         if not loaded():
             raise RuntimeError(f"kernels.linear: isa {path!r} asked for, but the native library is unavailable")
-        y = torch.ops.kvshare.gemm(x2, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, path, fp32_totals)
+        y = ops.gemm(x2, p.data, p.exps, FORMAT_ID[p.fmt], p.n, p.k, p.kp, p.block, path, fp32_totals)
     return y if flat else y.reshape(*x.shape[:-1], p.n)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.kernels.ops import ops
+
 
 
 def paged_attention(q: torch.Tensor, ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, window: int,
@@ -36,7 +38,7 @@ def paged_attention(q: torch.Tensor, ring: torch.Tensor, step: torch.Tensor, met
     def c(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.contiguous()
 
-    return torch.ops.kvshare.paged_attention(q.contiguous(), ring, step.contiguous(), meta, window, pool, c(tables), c(seq),
+    return ops.paged_attention(q.contiguous(), ring, step.contiguous(), meta, window, pool, c(tables), c(seq),
                                c(picks), c(counts), ratio, block_size, sink.float().contiguous(), scale)
 
 
@@ -48,6 +50,6 @@ def index_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, keys_dtype:
     the lower j (csrc/index.h: the order of every sum). q [T, H, d] and w [T, H] are taken in fp32. Keys:
     the pool in place (`tables` given: keys uint8 [blocks, rows per block, bytes], rows of `keys_dtype`) or
     gathered rows [N, L, d] of `keys_dtype` (bf16 or fp32)."""
-    return torch.ops.kvshare.index_topk(q.float().contiguous(), w.float().contiguous(), keys, keys_dtype == torch.bfloat16,
+    return ops.index_topk(q.float().contiguous(), w.float().contiguous(), keys, keys_dtype == torch.bfloat16,
                           None if tables is None else tables.contiguous(), seq.contiguous(), counts.contiguous(),
                           ratio, block_size, k)

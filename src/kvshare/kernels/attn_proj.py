@@ -29,6 +29,7 @@ import torch
 from kvshare.kernels.build import best_isa, loaded
 from kvshare.kernels.pack_sets import RegisteredSet
 from kvshare.kernels.packed import FORMAT_ID, Packed
+from kvshare.kernels.ops import ops
 
 
 @dataclass(eq=False)
@@ -61,7 +62,7 @@ def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: to
     q_norm / kv_norm the fp32 RMSNorm weights, c, s [T, rd] fp32 the positions' RoPE tables,
     `head_norm` V4's per-head RMSNorm of q, `x_block` / `qr_block` the FP8 blocks of the wq_a / wkv
     and wq_b inputs (0: none). None when a watched weight changed (rebuild the packs, call again)."""
-    out = torch.ops.kvshare.attn_in(x, packs.registered.id, q_norm, kv_norm, eps, c, s, heads, head_norm, x_block,
+    out = ops.attn_in(x, packs.registered.id, q_norm, kv_norm, eps, c, s, heads, head_norm, x_block,
                                     qr_block, best_isa())
     return (out[0], out[1], out[2]) if out else None
 
@@ -71,7 +72,7 @@ def attn_out(o: torch.Tensor, packs: ProjPacks, c: torch.Tensor, s_neg: torch.Te
     """[T, D] in o's dtype from the attention output o [T, H, d] (contiguous, not modified; rotated back
     by the tables c, s_neg [T, rd] fp32: the inverse rotation's), `u_block` the FP8 block of wo_b's
     input (0: none). None when a watched weight changed."""
-    out = torch.ops.kvshare.attn_out(o, packs.registered.id, c, s_neg, u_block, packs.out_dim, best_isa())
+    out = ops.attn_out(o, packs.registered.id, c, s_neg, u_block, packs.out_dim, best_isa())
     return out[0] if out else None
 
 
@@ -82,6 +83,6 @@ def index_select(qr: torch.Tensor, x: torch.Tensor, packs: ProjPacks, c: torch.T
     """The indexer's picks [T, k] (`kernels.attn.index_topk`'s) from its inputs in one call: q = RoPE(wq_b(
     [FP8] qr)) by the tables c, s [T, rd], w = fp32(weights_proj(x)) * scale, for the pack set (wq_b,
     weights_proj); keys as `index_topk` takes them. None when a watched weight changed."""
-    out = torch.ops.kvshare.index_select(qr, x, packs.registered.id, c, s, heads, scale, qr_block, best_isa(), keys,
+    out = ops.index_select(qr, x, packs.registered.id, c, s, heads, scale, qr_block, best_isa(), keys,
                                          keys_dtype == torch.bfloat16, tables, seq, counts, ratio, block_size, k)
     return out[0] if out else None

@@ -58,6 +58,7 @@ import torch
 
 from kvshare.kernels.build import best_isa
 from kvshare.layers import switches as env_switches
+from kvshare.kernels.ops import ops
 
 if TYPE_CHECKING:
     from kvshare.kernels.packed import Packed
@@ -73,24 +74,24 @@ def enabled() -> bool:
 def mhc_post(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, hc_eps: float,
              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 from mixes m [T, (2 + hc) hc] (spec §7.1 steps 2-3)."""
-    return torch.ops.kvshare.mhc_post(m.contiguous(), base.float().contiguous(), scale.float().contiguous(), hc, hc_eps,
+    return ops.mhc_post(m.contiguous(), base.float().contiguous(), scale.float().contiguous(), hc, hc_eps,
                                       iters)
 
 
 def sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
     """The (iters - 1) Sinkhorn row / column divisions in place on comb [T, hc, hc] fp32 (contiguous)."""
-    torch.ops.kvshare.sinkhorn_(comb, hc_eps, iters)
+    ops.sinkhorn_(comb, hc_eps, iters)
     return comb
 
 
 def mhc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, D] in h's dtype: sum_j pre[:, j] h[:, j] accumulated in fp32."""
-    return torch.ops.kvshare.mhc_collapse(h.contiguous(), pre.float().contiguous())
+    return ops.mhc_collapse(h.contiguous(), pre.float().contiguous())
 
 
 def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """[T, hc, D] in h's dtype: post_k y + sum_j comb[j, k] h_j in fp32."""
-    return torch.ops.kvshare.mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
+    return ops.mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
                              comb.float().contiguous())
 
 
@@ -98,9 +99,9 @@ def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> to
     """x [P, ..., D] (contiguous) with its last ``c.shape[1]`` dims rotated by the tables c, s [P, rd]
     fp32, contiguous (`RotaryEmbedding.pair_tables` builds them so); overwrites x when `inplace`."""
     if inplace:
-        torch.ops.kvshare.rope_(x, c, s)
+        ops.rope_(x, c, s)
         return x
-    return torch.ops.kvshare.rope(x, c, s)
+    return ops.rope(x, c, s)
 
 
 def project_wide(x: torch.Tensor, packed: "Packed", table: torch.Tensor | None = None,
@@ -110,7 +111,7 @@ def project_wide(x: torch.Tensor, packed: "Packed", table: torch.Tensor | None =
     added to columns [offset, offset + C)."""
     if packed.fmt != "fp32":
         raise ValueError(f"kernels.project_wide: the weight must be an fp32 pack, got {packed.fmt}")
-    return torch.ops.kvshare.project_wide(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), table, positions, offset)
+    return ops.project_wide(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), table, positions, offset)
 
 
 def moe_gate(x: torch.Tensor, packed: "Packed", bias: torch.Tensor | None, k: int, func: str, temp: float,
@@ -121,7 +122,7 @@ def moe_gate(x: torch.Tensor, packed: "Packed", bias: torch.Tensor | None, k: in
     (`normalize`), times `factor`: `model/moe.Gate.forward`'s torch code, the same bits."""
     if packed.fmt != "fp32":
         raise ValueError(f"kernels.moe_gate: the gate weight must be an fp32 pack, got {packed.fmt}")
-    w, picks = torch.ops.kvshare.moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func,
+    w, picks = ops.moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func,
                                           temp, normalize, factor, ids)
     return w, picks
 
@@ -130,7 +131,7 @@ def compress_pool(hist: torch.Tensor, valid: torch.Tensor | None, d: int, overla
                   dtype: torch.dtype) -> torch.Tensor:
     """[T, d] in `dtype`: softmax over the slots of the scores times the kv rows, from a compressor's
     history hist [T, S, 2 coff d] fp32 (see `model/compressor.py`); `valid` [T, S] masks slots."""
-    return torch.ops.kvshare.compress_pool(hist.contiguous(), None if valid is None else valid.contiguous(), d, overlap, dtype)
+    return ops.compress_pool(hist.contiguous(), None if valid is None else valid.contiguous(), d, overlap, dtype)
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float,
@@ -139,7 +140,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     keys2 [T, M2, d] (mask valid2), without concatenating them (see module doc for the order)."""
     k2 = None if keys2 is None else keys2.to(q.dtype).contiguous()
     v2 = None if valid2 is None else valid2.contiguous()
-    return torch.ops.kvshare.sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
+    return ops.sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
                                    sink.float().contiguous(), scale)
 
 
@@ -149,27 +150,27 @@ def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor | None:
     The caller is bound to the native kernels (`KernelChoice.native`)."""
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.requires_grad or x.shape[-1] % block:
         return None
-    return torch.ops.kvshare.fake_quant_fp8(x, block)
+    return ops.fake_quant_fp8(x, block)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """RMSNorm over the last dim of x (contiguous, bf16 / fp32), times `weight` (fp32) if given, in `dtype`."""
-    return torch.ops.kvshare.rms_norm(x, weight, eps, dtype)
+    return ops.rms_norm(x, weight, eps, dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, limit: float) -> torch.Tensor:
     """[N, I] in gate's dtype: ``weight * silu(min(gate, limit)) * clamp(up, -limit, limit)`` as `model/moe.py`."""
-    return torch.ops.kvshare.swiglu(gate, up, weight, limit)
+    return ops.swiglu(gate, up, weight, limit)
 
 
 def moe_combine(out: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """[T, D] in out's dtype: each token's k routed rows of `out` (row i holds slot ``sel[i]``) summed
     in fp32, plus its shared-expert row ``out[T k + t]``."""
-    return torch.ops.kvshare.moe_combine(out, sel, t, k)
+    return ops.moe_combine(out, sel, t, k)
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, func: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32: the scores of the picks, ids [T, k] int64: descending, ties to the lower
     id) from gate logits [T, E] fp32; `func` "sqrtsoftplus" or "sigmoid"."""
-    w, ids = torch.ops.kvshare.moe_route(logits, bias, k, func)
+    w, ids = ops.moe_route(logits, bias, k, func)
     return w, ids

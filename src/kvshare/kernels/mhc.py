@@ -30,6 +30,7 @@ import torch
 
 from kvshare.kernels.build import best_isa
 from kvshare.kernels.packed import Packed
+from kvshare.kernels.ops import ops
 
 
 def _fp32_pack(fn: Packed | None) -> torch.Tensor:
@@ -44,7 +45,7 @@ def enter(h: torch.Tensor, fn: Packed, base: torch.Tensor, scale: torch.Tensor, 
     """(x [T, D] in h's dtype, pre [T, hc], post [T, hc], comb [T, hc, hc] fp32) for the sublayer that
     reads streams h [T, hc, D] (bf16 / fp32): mixes from `fn` (fp32 pack of [(2 + hc) hc, hc D]),
     `base`, `scale`; x = RMSNorm(collapse(h, collapse_pre or pre), norm_w, norm_eps)."""
-    return torch.ops.kvshare.mhc_enter(h, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps, rms_eps, hc_eps,
+    return ops.mhc_enter(h, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps, rms_eps, hc_eps,
                                        iters, best_isa())
 
 
@@ -53,13 +54,13 @@ def boundary(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
              rms_eps: float, hc_eps: float, iters: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h' = expand(h, y, post, comb) [T, hc, D], then `enter`'s four outputs on h'); y [T, D] in h's dtype."""
-    return torch.ops.kvshare.mhc_boundary(h, y, post, comb, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps,
+    return ops.mhc_boundary(h, y, post, comb, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps,
                                           rms_eps, hc_eps, iters, best_isa())
 
 
 def leave(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """[T, hc, D] = post_k y + sum_j comb[j, k] h_j in h's dtype (`decode.mhc_expand`); y [T, D] in h's dtype."""
-    return torch.ops.kvshare.mhc_leave(h, y, post, comb)
+    return ops.mhc_leave(h, y, post, comb)
 
 
 def head(h: torch.Tensor, pre: torch.Tensor | None, norm_w: torch.Tensor, norm_eps: float, rms_eps: float,
@@ -68,5 +69,5 @@ def head(h: torch.Tensor, pre: torch.Tensor | None, norm_w: torch.Tensor, norm_e
     """x [T, D] in h's dtype = RMSNorm(collapse(h, pre), norm_w, norm_eps) with `pre` [T, hc] given (V4.1)
     or, when `fn` (fp32 pack of [hc, hc D]), `base` [hc] and `scale` [1] are given instead (V4),
     pre = sigmoid(fn . rms(flat h) * scale + base) + hc_eps."""
-    return torch.ops.kvshare.mhc_head(h, None if fn is None else _fp32_pack(fn), base, scale, pre, norm_w, norm_eps,
+    return ops.mhc_head(h, None if fn is None else _fp32_pack(fn), base, scale, pre, norm_w, norm_eps,
                                       rms_eps, hc_eps, best_isa())

@@ -33,6 +33,7 @@ from kvshare.kernels.build import best_isa, loaded
 from kvshare.kernels.pack_memo import generation
 from kvshare.kernels.pack_sets import RegisteredSet
 from kvshare.kernels.packed import FORMAT_ID, Packed
+from kvshare.kernels.ops import ops
 
 
 @dataclass(eq=False)
@@ -74,6 +75,6 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packs: La
     routed to ids [T, k] (int64) with weights [T, k] (fp32), bitwise the torch path's (module doc).
     `x_block` / `h_block`: FP8 blocks of the w1 / w3 and the w2 inputs (0: no rounding). None when
     a watched weight changed since `packs` was built (rebuild them and call again)."""
-    out = torch.ops.kvshare.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.registered.id,
+    out = ops.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.registered.id,
                                         float(limit), x_block, h_block, best_isa())
     return out[0] if out else None

@@ -15,10 +15,12 @@ import weakref
 
 import torch
 
+from kvshare.kernels.ops import ops
+
 
 def _free(set_id: int) -> None:
     try:
-        torch.ops.kvshare.pack_set_free(set_id)
+        ops.pack_set_free(set_id)
     except Exception:  # interpreter shutdown: the library may already be gone, and with it the set
         pass
 
@@ -28,5 +30,5 @@ class RegisteredSet:
 
     @torch.compiler.disable  # registration is a side effect on the library, not traceable work
     def __init__(self, packs: list[torch.Tensor], meta: torch.Tensor, watch: list[torch.Tensor]) -> None:
-        self.id = int(torch.ops.kvshare.pack_set_new(packs, meta, watch))
+        self.id = int(ops.pack_set_new(packs, meta, watch))
         weakref.finalize(self, _free, self.id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvshare.kernels import decode as native
+from kvshare.kernels.ops import ops
 
 #: RowFormat schemes served here -> the kernel's scheme id (csrc/rows.h)
 SCHEMES = {"fp4_e4m3": 0, "fp4_ue8m0": 1, "fp8_v41": 2, "fp8_v4": 3}
@@ -27,21 +28,21 @@ def serves(x: torch.Tensor) -> bool:
 
 def fake_quant_fp4(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     """`quant.fake_quant_fp4(x, block, scale_fmt)` in one call (caller checked `serves(x)`)."""
-    return torch.ops.kvshare.fake_quant_fp4(x, block, scale_fmt == "ue8m0")
+    return ops.fake_quant_fp4(x, block, scale_fmt == "ue8m0")
 
 
 def pack(scheme: str, x: torch.Tensor, block: int, rope_dim: int, row_bytes: int) -> torch.Tensor:
     """`RowFormat.pack` of the scheme's rows (caller checked `serves(x)` and the scheme)."""
-    return torch.ops.kvshare.pack_rows(x, SCHEMES[scheme], block, rope_dim, row_bytes)
+    return ops.pack_rows(x, SCHEMES[scheme], block, rope_dim, row_bytes)
 
 
 def unpack(scheme: str, u8: torch.Tensor, block: int, dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """`RowFormat.unpack(u8, dtype)` for bf16 / fp32 `dtype` (caller checked `serves(u8)`)."""
-    return torch.ops.kvshare.unpack_rows(u8, SCHEMES[scheme], block, dim, rope_dim, dtype)
+    return ops.unpack_rows(u8, SCHEMES[scheme], block, dim, rope_dim, dtype)
 
 
 def ring_store(rings: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor, slot: torch.Tensor,
                row: torch.Tensor) -> None:
     """``rings[i][slot[j], row[j]] = bytes of values[i][tokens[j]]`` for every ring and kept row, in one
     call (`Ring.write` of plain encodings; the caller checked `Ring.stores_bytes_of` and `serves`)."""
-    torch.ops.kvshare.ring_store(rings, values, tokens, slot, row)
+    ops.ring_store(rings, values, tokens, slot, row)
