@@ -4,9 +4,9 @@
 2. `torch.library.opcheck` passes on every op with small representative inputs: the schema states
    every mutation (and nothing else is mutated), the fake (meta) implementation gives the real
    output's shapes, dtypes and strides, and the op traced by AOT autograd (dynamic shapes) gives the
-   eager output. The pack-set ops (`attn_in`, `attn_out`, `index_select`, `moe_experts`) run with an
-   empty watch list: opcheck copies its inputs, and copies of watched weights would make the set
-   stale (an empty result list, which a fake cannot foresee).
+   eager output. The pack-set ops (`attn_in`, `attn_out`, `index_select`, `moe_experts`) take a
+   registered set by id, which opcheck's copies of the arguments do not reach: the set stays fresh
+   (a stale one returns an empty list, which a fake cannot foresee).
 3. `moe_stamps` returns the addresses of its inputs, so its AOT check (which runs on other copies)
    is skipped; its schema, autograd registration and fake are checked.
 4. The pack-set registry (`pack_set_new` / `pack_set_free`, csrc/pack_set.h) is a side effect on the
@@ -52,7 +52,6 @@ def _f(*shape: int) -> torch.Tensor:
 
 GEN = _g()
 ISA = best_isa()
-EMPTY_STAMPS = torch.empty(0, 3, dtype=torch.int64)
 #: the registered pack sets of the cases (a set is freed when its `RegisteredSet` is collected)
 KEEP_SETS: list = []
 

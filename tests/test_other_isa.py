@@ -25,7 +25,8 @@ EXACTNESS_MODULES = (
     "test_v41_independent.py", "test_model_batching.py", "test_hf_oracle.py", "test_batch_invariant.py",
     "test_invariant_picks.py", "test_native_decode.py", "test_native_act_quant.py", "test_moe_native.py",
     "test_native_attention.py", "test_native_index.py", "test_compressor_fused.py", "test_indexer_fused.py", "test_mhc_fused.py",
-    "test_attn_proj_native.py", "test_layers_norm.py", "test_layers_mhc.py",
+    "test_attn_proj_native.py", "test_layers_norm.py", "test_layers_mhc.py", "test_quantised_in_place.py",
+    "test_bench_real.py", "test_kernel_ops.py",
 )
 
 

@@ -152,7 +152,7 @@ std::vector<Tensor> index_select_op(const Tensor& qr, const Tensor& x, int64_t s
                                     const Tensor& keys, bool keys_bf16, const OptTensor& tables, const Tensor& seq,
                                     const Tensor& counts, int64_t ratio, int64_t block_size, int64_t k) {
   const auto ps = pack_set_get(set, "kernels.index_select");
-  auto qw = index_query(qr, x, proj_set(*ps), c, s, heads, scale, qr_block, std::string(isa));
+  auto qw = index_query(qr, x, *ps, c, s, heads, scale, qr_block, std::string(isa));
   if (!qw.has_value()) return {};
   return {index_topk_op((*qw)[0], (*qw)[1], keys, keys_bf16, tables, seq.contiguous(), counts.contiguous(), ratio,
                         block_size, k)};

@@ -12,11 +12,9 @@ constexpr const char* kIn = "kernels.attn_in";
 constexpr const char* kOut = "kernels.attn_out";
 constexpr const char* kIdx = "kernels.index_query";
 
-bool stamps_match(const ProjSet& set, const char* who) { return stamps_fresh(set.watch, set.stamps, who); }
-
 // The set's linears (wq_a, wq_b, wkv, wo_a groups, wo_b), checked, each taking `bf16` activations
 // or fp32 ones.
-std::vector<PackedLin> linears(const ProjSet& set, bool bf16, const char* who, int64_t at_least = 5) {
+std::vector<PackedLin> linears(const PackSet& set, bool bf16, const char* who, int64_t at_least = 5) {
   const auto& meta = set.meta;
   TORCH_CHECK(meta.scalar_type() == torch::kInt64 && meta.is_contiguous() && meta.dim() == 2 &&
               meta.size(1) == PACKED_META && meta.size(0) >= at_least,
@@ -83,7 +81,7 @@ torch::Tensor linear_rows(const PackedLin& l, const void* x, int64_t ld, int64_t
 
 }  // namespace
 
-c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, const ProjSet& set,
+c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, const PackSet& set,
                                                   const torch::Tensor& q_norm_w, const torch::Tensor& kv_norm_w,
                                                   double eps, const torch::Tensor& c, const torch::Tensor& s,
                                                   int64_t heads, bool head_norm, int64_t x_block, int64_t qr_block,
@@ -91,7 +89,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
               (x_in.scalar_type() == torch::kBFloat16 || x_in.scalar_type() == torch::kFloat32),
               kIn, ": x must be a bf16 / fp32 CPU tensor [T, D], got ", x_in.scalar_type(), " ", x_in.sizes());
-  if (!stamps_match(set, kIn)) return c10::nullopt;
+  if (!stamps_fresh(set.watch, set.stamps, kIn)) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kIn);
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kIn);
@@ -125,12 +123,12 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
   return std::vector<torch::Tensor>{qr, q.view({t, heads, d}), kv};
 }
 
-c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set, const torch::Tensor& c,
+c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const PackSet& set, const torch::Tensor& c,
                                       const torch::Tensor& s, int64_t u_block, const std::string& isa) {
   TORCH_CHECK(o.device().is_cpu() && o.dim() == 3 && o.is_contiguous() &&
               (o.scalar_type() == torch::kBFloat16 || o.scalar_type() == torch::kFloat32),
               kOut, ": o must be a contiguous bf16 / fp32 CPU tensor [T, H, d], got ", o.scalar_type(), " ", o.sizes());
-  if (!stamps_match(set, kOut)) return c10::nullopt;
+  if (!stamps_fresh(set.watch, set.stamps, kOut)) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kOut);
   const bool bf16 = o.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kOut);
@@ -161,7 +159,7 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const ProjSet& set
 }
 
 c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in, const torch::Tensor& x_in,
-                                                      const ProjSet& set, const torch::Tensor& c, const torch::Tensor& s,
+                                                      const PackSet& set, const torch::Tensor& c, const torch::Tensor& s,
                                                       int64_t heads, double scale, int64_t qr_block, const std::string& isa) {
   for (const auto* t : {&qr_in, &x_in})
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 &&
@@ -169,7 +167,7 @@ c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in
                 t->scalar_type() == qr_in.scalar_type() && t->size(0) == qr_in.size(0),
                 kIdx, ": qr and x must be bf16 / fp32 CPU tensors [T, .] of one dtype and T, got ", qr_in.sizes(), " ",
                 qr_in.scalar_type(), " and ", x_in.sizes(), " ", x_in.scalar_type());
-  if (!stamps_match(set, kIdx)) return c10::nullopt;
+  if (!stamps_fresh(set.watch, set.stamps, kIdx)) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kIdx);
   const bool bf16 = qr_in.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kIdx, 2);
@@ -203,7 +201,7 @@ std::vector<torch::Tensor> attn_in_op(const torch::Tensor& x, int64_t set, const
                                       const torch::Tensor& s, int64_t heads, bool head_norm, int64_t x_block,
                                       int64_t qr_block, c10::string_view isa) {
   const auto ps = pack_set_get(set, kIn);
-  auto out = attn_in(x, proj_set(*ps), q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,
+  auto out = attn_in(x, *ps, q_norm_w, kv_norm_w, eps, c, s, heads, head_norm, x_block,
                      qr_block, std::string(isa));
   return out.has_value() ? *out : std::vector<torch::Tensor>{};
 }
@@ -211,7 +209,7 @@ std::vector<torch::Tensor> attn_in_op(const torch::Tensor& x, int64_t set, const
 std::vector<torch::Tensor> attn_out_op(const torch::Tensor& o, int64_t set, const torch::Tensor& c, const torch::Tensor& s,
                                        int64_t u_block, int64_t out_dim, c10::string_view isa) {
   const auto ps = pack_set_get(set, kOut);
-  auto y = attn_out(o, proj_set(*ps), c, s, u_block, std::string(isa));
+  auto y = attn_out(o, *ps, c, s, u_block, std::string(isa));
   if (!y.has_value()) return {};
   TORCH_CHECK(y->size(1) == out_dim, "kernels.attn_out: wo_b has ", y->size(1), " outputs, the call states ", out_dim);
   return {*y};

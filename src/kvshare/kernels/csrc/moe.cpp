@@ -29,11 +29,12 @@ void stage_rows(const char* src, int64_t k, int64_t kp, int64_t es, int64_t m, i
 }  // namespace
 
 c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                                         at::TensorList packs, const torch::Tensor& meta,
-                                         at::TensorList watch, const torch::Tensor& stamps,
-                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa) {
+                                         const PackSet& set, double limit, int64_t x_block, int64_t h_block,
+                                         const std::string& isa) {
   // ---- the pack set is still the layer's weights ----
-  if (!stamps_fresh(watch, stamps, "kernels.moe_experts")) return c10::nullopt;
+  if (!stamps_fresh(set.watch, set.stamps, "kernels.moe_experts")) return c10::nullopt;
+  const auto& packs = set.packs;
+  const auto& meta = set.meta;
   // ---- arguments ----
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2 &&
               (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
@@ -147,8 +148,7 @@ namespace {
 std::vector<torch::Tensor> moe_experts_op(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                                           int64_t set, double limit, int64_t x_block, int64_t h_block, c10::string_view isa) {
   const auto ps = pack_set_get(set, "kernels.moe_experts");
-  auto y = moe_experts(x, ids, weights, ps->packs, ps->meta, ps->watch, ps->stamps, limit, x_block, h_block,
-                       std::string(isa));
+  auto y = moe_experts(x, ids, weights, *ps, limit, x_block, h_block, std::string(isa));
   if (!y.has_value()) return {};
   return {*y};
 }

@@ -18,13 +18,12 @@ constexpr int64_t MOE_META = PACKED_META;
 
 // The experts of one MoE layer for tokens x [T, D] (bf16 or fp32, contiguous): ids [T, k] int64 in
 // [0, E), weights [T, k] fp32. Linear l = 3 e + (0: w1, 1: w3, 2: w2) for e < E routed experts and
-// e = E the shared expert; packs[2 l], packs[2 l + 1] its packed data and exponents, meta [3 (E + 1),
-// MOE_META]. x_block / h_block > 0: FP8-round x (before w1 / w3) and the SwiGLU output (before w2)
-// in blocks of that many values; 0: no rounding. Returns [T, D] in x's dtype, or None when `watch`
-// no longer matches `stamps` (a weight was replaced or edited: the caller repacks).
+// e = E the shared expert; the set's packs[2 l], packs[2 l + 1] its packed data and exponents, its meta
+// [3 (E + 1), MOE_META]. x_block / h_block > 0: FP8-round x (before w1 / w3) and the SwiGLU output
+// (before w2) in blocks of that many values; 0: no rounding. Returns [T, D] in x's dtype, or None when
+// the set is stale (a weight was replaced or edited: the caller registers a new set).
 c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                                         at::TensorList packs, const torch::Tensor& meta,
-                                         at::TensorList watch, const torch::Tensor& stamps,
-                                         double limit, int64_t x_block, int64_t h_block, const std::string& isa);
+                                         const PackSet& set, double limit, int64_t x_block, int64_t h_block,
+                                         const std::string& isa);
 
 }  // namespace kvshare_kernels
