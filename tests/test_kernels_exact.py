@@ -80,6 +80,36 @@ def test_raw_data_follows_the_documented_order(fmt: str, isa: str) -> None:
     assert torch.equal(kernels.linear(x, p, isa=isa), want.to(torch.bfloat16))
 
 
+def _normal_e4m3_codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random e4m3 codes with a nonzero exponent field (no zero, no subnormal, no NaN)."""
+    pool = torch.tensor([c for c in range(256) if c & 0x78 and c & 0x7F != 0x7F], dtype=torch.uint8)
+    return pool[torch.randint(0, len(pool), (n, k), generator=gen)].view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("isa", ORDERED)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-normal", "fp4"])
+def test_few_rows_follow_the_documented_order(fmt: str, isa: str) -> None:
+    """Decode steps (1-4 rows) decode the weights in registers, many output groups at a time, instead
+    of through the decode-once buffer: bitwise the float64 emulation of the documented order too, at
+    every row count, with full and partial group tiles (19 groups), an odd pair at the end of a
+    scale block (K 201) and FP8 codes that all take the two-pair decoder's fast route (no exponent-0
+    code) as well as mixed ones."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 293, 201
+    if fmt == "bf16":
+        p = kernels.pack_bf16(torch.randn(n, k, generator=gen) * 0.05)
+    elif fmt.startswith("fp8"):
+        codes = e4m3_codes(n, k, gen) if fmt == "fp8" else _normal_e4m3_codes(n, k, gen)
+        p = kernels.pack_fp8(codes, pow2_scales((3, 2), gen), (128, 128))
+    else:
+        p = kernels.pack_fp4(fp4_pairs(n, 256, gen), pow2_scales((n, 8), gen))
+    x = torch.randn(5, p.k, generator=gen).to(torch.bfloat16)
+    for m in range(1, 6):
+        want = emulate(x[:m], p)
+        assert torch.equal(kernels.linear(x[:m], p, isa=isa, fp32_totals=True), want), f"rows={m}"
+        assert torch.equal(kernels.linear(x[:m], p, isa=isa), want.to(torch.bfloat16)), f"rows={m}"
+
+
 def test_emulation_catches_a_swapped_pair_order() -> None:
     """The emulation is sharp: the same data summed even-k-first differs in some outputs."""
     gen = torch.Generator().manual_seed(5)
@@ -142,12 +172,18 @@ def test_every_code_decodes_to_its_value(isa: str) -> None:
     fp8 = codes.view(torch.float8_e4m3fn).expand(32, 256).contiguous()
     for block, exps in (((16, 128), [[127, 120], [130, 127]]), ((8, 128), [[127, 0], [130, 127], [1, 2], [127, 127]])):
         scale = torch.tensor(exps, dtype=torch.uint8).clamp_min(floor).view(torch.float8_e8m0fnu)
-        y = kernels.linear(eye, kernels.pack_fp8(fp8, scale, block), isa=isa)
+        packed = kernels.pack_fp8(fp8, scale, block)
         want = dequant_fp8_weight(fp8, scale, block).t().to(torch.bfloat16)
-        assert torch.equal(y, want), block
+        assert torch.equal(kernels.linear(eye, packed, isa=isa), want), block
+        for m in (1, 3):  # decode-step row counts (weights decoded in registers), every code at m = 1
+            for j in range(0, 256, m):
+                assert torch.equal(kernels.linear(eye[j:j + m], packed, isa=isa), want[j:j + m]), (block, m, j)
     pairs = (torch.arange(256, dtype=torch.int32) % 256).to(torch.uint8).view(torch.int8)
     w4 = pairs.reshape(1, 256).expand(16, 256).contiguous()  # every (even, odd) code pair once per row
     s4 = torch.tensor([[0, 127, 1, 250, 127, 126, 127, 131] * 2] * 16, dtype=torch.uint8).clamp_min(floor)
     s4 = s4.view(torch.float8_e8m0fnu)
-    y = kernels.linear(torch.eye(512, dtype=torch.bfloat16), kernels.pack_fp4(w4, s4), isa=isa)
-    assert torch.equal(y, dequant_fp4_weight(w4, s4).t().to(torch.bfloat16))
+    eye4, p4 = torch.eye(512, dtype=torch.bfloat16), kernels.pack_fp4(w4, s4)
+    want4 = dequant_fp4_weight(w4, s4).t().to(torch.bfloat16)
+    assert torch.equal(kernels.linear(eye4, p4, isa=isa), want4)
+    for j in range(512):  # one row at a time: the decode step's path
+        assert torch.equal(kernels.linear(eye4[j:j + 1], p4, isa=isa), want4[j:j + 1]), j

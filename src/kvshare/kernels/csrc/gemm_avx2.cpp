@@ -82,6 +82,16 @@ static inline WP wp_fp4(const uint8_t* p) {
   return w;
 }
 
+static inline void wp_fp8_two(const uint8_t* p, WP& w0, WP& w1) {
+  w0 = wp_fp8(p);
+  w1 = wp_fp8(p + 32);
+}
+
+// Rows up to which weights are decoded in registers (gemm_body.h few_rows) and the groups kept in
+// flight for 1..4 rows (sixteen ymm: R x G accumulators of two, a decoded pair of four).
+constexpr int FEW_ROWS = 4;
+constexpr int FEW_GROUPS[4] = {4, 2, 1, 1};
+
 static inline __m256 exp2_half(const uint8_t* e) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e)));
   const __m256i bits = _mm256_slli_epi32(b, 23);

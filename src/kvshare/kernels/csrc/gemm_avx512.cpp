@@ -32,6 +32,13 @@ using kvshare_w512::wp_fp8;
 using kvshare_w512::wp_fp4;
 using kvshare_w512::vexp2;
 
+static inline void wp_fp8_two(const uint8_t* p, WP& w0, WP& w1) { kvshare_w512::wp_fp8_x2(p, w0, w1); }
+
+// Rows up to which weights are decoded in registers (gemm_body.h few_rows), and the groups kept in
+// flight for 1..4 rows (R x G accumulators, G decoded pairs and the decoder's temporaries in 32 zmm).
+constexpr int FEW_ROWS = 4;
+constexpr int FEW_GROUPS[4] = {8, 6, 4, 4};
+
 // fp32 -> bf16, round to nearest even (NaN -> quiet NaN), as c10's conversion does.
 static inline void store_bf16(uint16_t* dst, const float* src, int n) {
   const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src));

@@ -1,6 +1,7 @@
 // The ISA-independent loop nest, included once by each ISA translation unit after it defined,
 // inside an anonymous namespace, the vector type V (16 fp32 lanes), the decoded-weight type WP
-// (16 lanes of one k pair) and their operations. Everything here has internal linkage, so no
+// (16 lanes of one k pair) and their operations (wp_fp8_two: two consecutive pairs), MR, FEW_ROWS
+// and FEW_GROUPS. Everything here has internal linkage, so no
 // function compiled for one ISA can be picked by the linker for the other.
 //
 // Reduction order (the contract): each output lane accumulates its k pairs in increasing p, the
@@ -50,7 +51,13 @@ static inline const WP* block_weights(const GemmArgs& a, int64_t nb, int G, int6
     for (int64_t p = 0; p < pb; ++p) dst[p] = wp_bf16(reinterpret_cast<const int32_t*>(src) + 16 * p);
     return dst;
   }
-  for (int64_t p = 0; p < pb; ++p) dst[p] = a.fmt == FMT_FP8 ? wp_fp8(src + 32 * p) : wp_fp4(src + 16 * p);
+  if (a.fmt == FMT_FP8) {
+    int64_t p = 0;
+    for (; p + 2 <= pb; p += 2) wp_fp8_two(src + 32 * p, dst[p], dst[p + 1]);
+    if (p < pb) dst[p] = wp_fp8(src + 32 * p);
+  } else {
+    for (int64_t p = 0; p < pb; ++p) dst[p] = wp_fp4(src + 16 * p);
+  }
   return dst;
 }
 
@@ -87,12 +94,14 @@ static void rows_tile(int64_t rows, const uint32_t* const* xr, int64_t p0, int64
   }
 }
 
-static void store_rows(const GemmArgs& a, int64_t m0, int64_t ms, int64_t nb, int g_count, const float* tot) {
+// Rows [m0, m0 + ms) of groups [nb, nb + g_count) from tot (16 floats of row r, group g at (r * stride + g) * 16).
+static void store_rows(const GemmArgs& a, int64_t m0, int64_t ms, int64_t nb, int g_count, int stride,
+                       const float* tot) {
   for (int64_t r = 0; r < ms; ++r)
     for (int g = 0; g < g_count; ++g) {
       const int64_t n0 = (nb + g) * 16;
       const int n = static_cast<int>(min64(16, a.N - n0));
-      const float* t = tot + (r * NR + g) * 16;
+      const float* t = tot + (r * stride + g) * 16;
       if (a.out_f32) {
         float* y = static_cast<float*>(a.y) + (m0 + r) * a.N + n0;
         for (int i = 0; i < n; ++i) y[i] = t[i];
@@ -135,8 +144,88 @@ static void gemm_pairs(const GemmArgs& a) {
           else rows_tile<1, false>(ms, xr, p0, n_p, wb, scale, tot);
         }
       }
-      store_rows(a, m0, ms, nb, g_count, tot);
+      store_rows(a, m0, ms, nb, g_count, NR, tot);
     }
+  }
+}
+
+// Few rows (M <= 4: decode steps). The decode-once buffer of gemm_pairs saves little there, and the
+// dot products of one output lane form one dependent chain (the reduction order above), so two
+// groups leave the core waiting on those chains. Here the weights are decoded in registers, each
+// pair once for the R rows, and R x G chains are kept in flight; every lane adds in the order above,
+// so the bits are gemm_pairs' bits. No software prefetch: the G streams are consecutive groups, which
+// the hardware prefetchers follow (measured faster than prefetching 4 KB ahead).
+template <int FMT>
+static inline WP wp_at(const uint8_t* src) {
+  if (FMT == FMT_BF16) return wp_bf16(reinterpret_cast<const int32_t*>(src));
+  if (FMT == FMT_FP8) return wp_fp8(src);
+  return wp_fp4(src);
+}
+
+template <int FMT, int R, int G>
+static void few_rows_tile(const GemmArgs& a, int64_t m0, int64_t nb) {
+  constexpr bool SCALED = FMT != FMT_BF16;
+  constexpr int64_t PB = FMT == FMT_FP8 ? 32 : (FMT == FMT_FP4 ? 16 : 64);  // bytes of one pair of a group
+  const int64_t P = a.KP / 2;
+  const int64_t pb = SCALED ? a.bk / 2 : P;  // pairs per scale block (bf16: one chain over K)
+  const int64_t blocks = SCALED ? (a.KP + a.bk - 1) / a.bk : 1;
+  const uint32_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = static_cast<const uint32_t*>(a.x) + (m0 + r) * P;
+  const uint8_t* w[G];
+  for (int g = 0; g < G; ++g) w[g] = static_cast<const uint8_t*>(a.w) + (nb + g) * P * PB;
+  alignas(64) float tot[R * G * 16];
+  for (int i = 0; i < R * G * 16; ++i) tot[i] = 0.0f;
+  for (int64_t p0 = 0, kb = 0; p0 < P; p0 += pb, ++kb) {
+    const int64_t p1 = min64(P, p0 + pb);
+    V acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) acc[r][g] = SCALED ? vzero() : vload(tot + (r * G + g) * 16);
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2)
+      for (int g = 0; g < G; ++g) {
+        WP w0, w1;
+        if (FMT == FMT_FP8) {
+          wp_fp8_two(w[g] + p * PB, w0, w1);
+        } else {
+          w0 = wp_at<FMT>(w[g] + p * PB);
+          w1 = wp_at<FMT>(w[g] + (p + 1) * PB);
+        }
+        for (int r = 0; r < R; ++r) acc[r][g] = vdot(vdot(acc[r][g], x[r][p], w0), x[r][p + 1], w1);
+      }
+    for (; p < p1; ++p)
+      for (int g = 0; g < G; ++g) {
+        const WP w0 = wp_at<FMT>(w[g] + p * PB);
+        for (int r = 0; r < R; ++r) acc[r][g] = vdot(acc[r][g], x[r][p], w0);
+      }
+    for (int g = 0; g < G; ++g) {
+      V scale = vzero();
+      if (SCALED)
+        scale = a.group_exps ? vbcast(exp2_byte(a.exps[(nb + g) * blocks + kb]))
+                             : vexp2(a.exps + ((nb + g) * blocks + kb) * 16);
+      for (int r = 0; r < R; ++r) {
+        float* t = tot + (r * G + g) * 16;
+        vstore(t, SCALED ? vfma(acc[r][g], scale, vload(t)) : acc[r][g]);
+      }
+    }
+  }
+  store_rows(a, m0, R, nb, G, G, tot);
+}
+
+// Groups [nb0, nb1) of R rows from m0, GF groups at a time.
+template <int FMT, int R, int GF>
+static void few_rows(const GemmArgs& a, int64_t m0) {
+  int64_t nb = a.nb0;
+  for (; nb + GF <= a.nb1; nb += GF) few_rows_tile<FMT, R, GF>(a, m0, nb);
+  for (; nb < a.nb1; ++nb) few_rows_tile<FMT, R, 1>(a, m0, nb);
+}
+
+template <int FMT>
+static void gemm_few_rows(const GemmArgs& a) {
+  switch (a.M) {
+    case 1: few_rows<FMT, 1, FEW_GROUPS[0]>(a, 0); break;
+    case 2: few_rows<FMT, 2, FEW_GROUPS[1]>(a, 0); break;
+    case 3: few_rows<FMT, 3, FEW_GROUPS[2]>(a, 0); break;
+    default: few_rows<FMT, 4, FEW_GROUPS[3]>(a, 0); break;
   }
 }
 
@@ -211,7 +300,11 @@ static void gemm_f32(const GemmArgs& a) {
   }
 }
 
+// The path depends on M (few rows or the decode-once buffer), never the bits: both keep the order above.
 static void gemm_dispatch(const GemmArgs* a) {
   if (a->fmt == FMT_FP32) gemm_f32(*a);
-  else gemm_pairs(*a);
+  else if (a->M > FEW_ROWS) gemm_pairs(*a);
+  else if (a->fmt == FMT_FP8) gemm_few_rows<FMT_FP8>(*a);
+  else if (a->fmt == FMT_FP4) gemm_few_rows<FMT_FP4>(*a);
+  else gemm_few_rows<FMT_BF16>(*a);
 }

@@ -21,14 +21,42 @@ static inline __m512i wp_fp8(const uint8_t* p) {
 }
 
 // e2m1 pair byte -> two bf16 words: low nibble (even k) to the low word, high nibble to the high.
+// The dword d = b | b << 12 holds the low nibble in the low bits of its low word and the high nibble in
+// the low bits of its high word; vpermw reads five index bits, so the table repeats its 16 entries.
 static inline __m512i wp_fp4(const uint8_t* p) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i idx = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)),
-                                      _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xf0)), 12));
-  alignas(64) static const uint16_t table[32] = {  // bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives
+  alignas(64) static const uint16_t table[32] = {  // bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, twice
+      0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+      0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
       0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
       0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
-  return _mm512_permutexvar_epi16(idx, _mm512_load_si512(table));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), _mm512_load_si512(table));
+}
+
+// Two consecutive k pairs of e4m3 codes (64 bytes: pair p's 16 lanes, then pair p + 1's) -> their bf16
+// pairs, as two wp_fp8 calls give them, with about half the work: for a code whose exponent field is
+// nonzero the bf16's low byte is the code's low nibble << 4 and its high byte a function of the high
+// nibble (s << 7 | (60 + the exponent's top three bits)), one pshufb. The qword shuffle puts lanes
+// 4L..4L+3 of both pairs in 128-bit lane L, so the in-lane byte interleave yields whole pairs in lane
+// order. Codes with exponent 0 (zero, the subnormals: rare in real checkpoints, whose block scales
+// put the largest weight near 448) take wp_fp8.
+static inline void wp_fp8_x2(const uint8_t* p, __m512i& w0, __m512i& w1) {
+  const __m512i c = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), _mm512_loadu_si512(p));
+  if (_mm512_testn_epi8_mask(c, _mm512_set1_epi8(0x78))) {
+    w0 = wp_fp8(p);
+    w1 = wp_fp8(p + 32);
+    return;
+  }
+  const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(c, 4), _mm512_set1_epi8(static_cast<char>(0xf0)));
+  const __m512i nib = _mm512_and_si512(_mm512_srli_epi16(c, 4), _mm512_set1_epi8(0x0f));
+  const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(60, 61, 62, 63, 64, 65, 66, 67, static_cast<char>(188),
+                                                            static_cast<char>(189), static_cast<char>(190),
+                                                            static_cast<char>(191), static_cast<char>(192),
+                                                            static_cast<char>(193), static_cast<char>(194),
+                                                            static_cast<char>(195)));
+  const __m512i hi = _mm512_shuffle_epi8(high, nib);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
 // ue8m0 bytes -> 2^(e - 127) as fp32 (e = 0: the subnormal 2^-127).
