@@ -14,6 +14,8 @@ from kvshare.weights.weights_quant import dequant_fp4_weight, dequant_fp8_weight
 
 ISAS = kernels.supported_isas()
 ORDERED = [i for i in ISAS if i in ("avx512", "avx2")]  # the paths that follow the documented order
+# the AVX-512 path with its AVX-512 BW weight decoders, which CPUs with VBMI skip (the same bits)
+ORDERED += ["avx512-bw"] if "avx512" in ISAS else []
 NATIVE = [i for i in ISAS if i != "torch"]
 N_ODD, K_ODD = 37, 199  # neither a multiple of the 16-output groups nor of the 32-input chunks
 K_TILES = 224  # 7 AMX tiles of 32 inputs (AMX serves only such weights; K_ODD goes to AVX-512)
@@ -156,7 +158,7 @@ def test_native_paths_agree_on_raw_data() -> None:
         assert torch.equal(*totals), p.fmt
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS + (["avx512-bw"] if "avx512" in ISAS else []))
 def test_every_code_decodes_to_its_value(isa: str) -> None:
     """One-hot activations read single weights: every e4m3 code (subnormals included, NaNs
     excluded) and every e2m1 code comes out as torch's / the spec's value times its scale,

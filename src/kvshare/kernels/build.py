@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 #: translation units; the ``*_ops.cpp`` units, gemm_run.cpp, fp8.cpp, gate.cpp, rows.cpp, moe.cpp,
 #: attn_proj.cpp and pack_set.cpp register the ops (the others are torch-free compute compiled for one ISA each)
-SOURCES = ("gemm_run.cpp", "gemm_avx512.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "fp8.cpp", "decode.cpp", "decode_ops.cpp",
-           "gate.cpp", "rows.cpp", "moe.cpp", "attn.cpp", "index.cpp", "attn_ops.cpp", "mhc.cpp", "mhc_ops.cpp",
-           "packed_gemm.cpp", "attn_proj.cpp", "pack_set.cpp")
-_HEADERS = ("checks.h", "gemm.h", "gemm_run.h", "gemm_body.h", "fp8.h", "decode.h", "weights512.h", "rows.h", "lanes8.h",
-            "moe.h", "attn.h", "index.h", "mhc.h", "packed_gemm.h", "attn_proj.h", "pack_set.h")
+SOURCES = ("gemm_run.cpp", "gemm_avx512.cpp", "gemm_avx512_vbmi.cpp", "gemm_avx2.cpp", "gemm_amx.cpp", "fp8.cpp",
+           "decode.cpp", "decode_ops.cpp", "gate.cpp", "rows.cpp", "moe.cpp", "attn.cpp", "index.cpp", "attn_ops.cpp",
+           "mhc.cpp", "mhc_ops.cpp", "packed_gemm.cpp", "attn_proj.cpp", "pack_set.cpp")
+_HEADERS = ("checks.h", "gemm.h", "gemm_run.h", "gemm_body.h", "gemm_avx512_unit.h", "fp8.h", "decode.h", "weights512.h",
+            "rows.h", "lanes8.h", "moe.h", "attn.h", "index.h", "mhc.h", "packed_gemm.h", "attn_proj.h", "pack_set.h")
 
 
 def cache_root() -> Path:

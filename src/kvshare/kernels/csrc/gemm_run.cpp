@@ -13,6 +13,7 @@ bool cpu_has(c10::string_view what) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512bf16");
+  if (what == "avx512vbmi") return cpu_has("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
   if (what == "amx") {
     static const bool ok = cpu_has("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
                            __builtin_cpu_supports("amx-bf16") && amx_enable();
@@ -20,6 +21,12 @@ bool cpu_has(c10::string_view what) {
   }
   if (what == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return false;
+}
+
+void gemm_avx512(const GemmArgs* a) {
+  static const bool vbmi = cpu_has("avx512vbmi");
+  if (vbmi) gemm_avx512_vbmi(a);
+  else gemm_avx512_bw(a);
 }
 
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& exps, int64_t fmt, int64_t n,
@@ -44,7 +51,9 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::
   TORCH_CHECK(fmt == FMT_BF16 || f32 || group_exps || exps.numel() == n_exps * 16,
               "kernels.gemm: scale exponents have ", exps.numel(), " entries");
   TORCH_CHECK(exps.numel() == 0 || exps.scalar_type() == torch::kUInt8, "kernels.gemm: scale exponents must be uint8");
-  const bool wide = isa == "avx512" || isa == "amx";
+  // "avx512-bw": the AVX-512 path with its BW decoders even where VBMI would serve (tests: the same bits)
+  const bool bw_only = isa == "avx512-bw";
+  const bool wide = isa == "avx512" || isa == "amx" || bw_only;
   TORCH_CHECK(wide || isa == "avx2", "kernels.gemm: unknown isa ", isa);
   const int64_t m = x.size(0);
   // AMX serves a weight when its K and scale blocks fit whole tiles (a property of the weight,
@@ -75,6 +84,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::
     a.nb0 = lo * 2;
     a.nb1 = std::min(hi * 2, nb);
     if (amx) gemm_amx(&a);
+    else if (bw_only) gemm_avx512_bw(&a);
     else if (wide) gemm_avx512(&a);
     else gemm_avx2(&a);
   });

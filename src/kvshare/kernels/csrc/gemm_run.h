@@ -12,7 +12,7 @@ namespace kvshare_kernels {
 bool cpu_has(c10::string_view what);
 
 // y = x W^T for x [M, K] bf16 (FMT_FP32: fp32) and w / exps in the packed layout of gemm.h; isa "amx" |
-// "avx512" | "avx2"; out_f32: the fp32 totals instead of bf16 (bf16-activation formats; for tests).
+// "avx512" | "avx2", or "avx512-bw" (the AVX-512 path without its VBMI decoder, for tests); out_f32: the fp32 totals instead of bf16 (bf16-activation formats; for tests).
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& exps, int64_t fmt, int64_t n,
                    int64_t k, int64_t kp, int64_t bk, c10::string_view isa, bool out_f32);
 
