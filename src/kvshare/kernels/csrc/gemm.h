@@ -41,7 +41,7 @@ static inline void prefetch_stream(const GemmArgs& a, int64_t pair_bytes, int64_
 
 void gemm_avx512(const GemmArgs* a);       // the fastest of the two below this CPU runs (gemm_run.cpp)
 void gemm_avx512_bw(const GemmArgs* a);    // AVX-512 BW decoders
-void gemm_avx512_vbmi(const GemmArgs* a);  // the VBMI FP4 decoder: the same bits
+void gemm_avx512_vbmi(const GemmArgs* a);  // VBMI / GFNI decoders: the same bits
 void gemm_avx2(const GemmArgs* a);
 // AMX (gemm_amx.cpp): x [M][KP] (rows past M, if any, are not read); needs KP % 32 == 0 and, scaled, bk % 32 == 0.
 void gemm_amx(const GemmArgs* a);

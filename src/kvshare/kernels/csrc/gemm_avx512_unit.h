@@ -1,7 +1,8 @@
 // AVX-512 BF16 path: vdpbf16ps accumulates a bf16 pair per lane (odd k, then even k; exact
 // products, round-to-nearest-even adds). Included by two translation units, each compiled for its
 // ISA by its own pragma: gemm_avx512.cpp (AVX-512 BW decoders) and gemm_avx512_vbmi.cpp (KV_VBMI
-// defined: the FP4 decoder spreads bytes with vpermb); both give the same bits. No torch or
+// defined: the FP4 decoder spreads bytes with vpermb, the FP8 one shifts bytes with GFNI); both give
+// the same bits. No torch or
 // standard-library templates (see gemm_body.h).
 #pragma once
 #include <immintrin.h>

@@ -13,7 +13,8 @@ bool cpu_has(c10::string_view what) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512bf16");
-  if (what == "avx512vbmi") return cpu_has("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+  if (what == "avx512vbmi")  // with GFNI: gemm_avx512_vbmi.cpp uses both
+    return cpu_has("avx512bf16") && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("gfni");
   if (what == "amx") {
     static const bool ok = cpu_has("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
                            __builtin_cpu_supports("amx-bf16") && amx_enable();
@@ -23,6 +24,7 @@ bool cpu_has(c10::string_view what) {
   return false;
 }
 
+// The AVX-512 unit for this CPU (decided once): both give the same bits.
 void gemm_avx512(const GemmArgs* a) {
   static const bool vbmi = cpu_has("avx512vbmi");
   if (vbmi) gemm_avx512_vbmi(a);

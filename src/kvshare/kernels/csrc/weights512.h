@@ -1,5 +1,6 @@
 // Weight decoders shared by the AVX-512 and AMX GEMM translation units (all compiled with
-// AVX-512 BW; wp_fp4_vbmi only where the unit defines KV_VBMI and targets AVX-512 VBMI): FP8 e4m3 and FP4 e2m1 codes to bf16 pairs, ue8m0 scale bytes to fp32 powers of two.
+// AVX-512 BW; where a unit defines KV_VBMI it targets AVX-512 VBMI and GFNI too, and wp_fp4_vbmi and
+// the GFNI byte shifts of wp_fp8_x2 serve there): FP8 e4m3 and FP4 e2m1 codes to bf16 pairs, ue8m0 scale bytes to fp32 powers of two.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -67,8 +68,13 @@ static inline void wp_fp8_x2(const uint8_t* p, __m512i& w0, __m512i& w1) {
     w1 = wp_fp8(p + 32);
     return;
   }
+#ifdef KV_VBMI  // one GFNI affine op per byte shift (bit i of y = parity(row 7 - i of the matrix & x))
+  const __m512i lo = _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(0x0000000001020408LL), 0);  // x << 4
+  const __m512i nib = _mm512_gf2p8affine_epi64_epi8(c, _mm512_set1_epi64(0x1020408000000000LL), 0);  // x >> 4
+#else
   const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(c, 4), _mm512_set1_epi8(static_cast<char>(0xf0)));
   const __m512i nib = _mm512_and_si512(_mm512_srli_epi16(c, 4), _mm512_set1_epi8(0x0f));
+#endif
   const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(60, 61, 62, 63, 64, 65, 66, 67, static_cast<char>(188),
                                                             static_cast<char>(189), static_cast<char>(190),
                                                             static_cast<char>(191), static_cast<char>(192),
