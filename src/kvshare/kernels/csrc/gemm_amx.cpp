@@ -39,14 +39,7 @@ static inline WP scale_pairs(WP w, __m512 s) {
                          _mm512_srli_epi32(_mm512_castps_si512(even), 16));
 }
 
-static inline void store_bf16(uint16_t* dst, const float* src, int n) {
-  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
-  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << n) - 1u), _mm512_cvtepi32_epi16(r));
-}
+using kvshare_w512::store_bf16;
 
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];

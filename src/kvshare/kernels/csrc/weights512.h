@@ -1,6 +1,7 @@
-// Weight decoders shared by the AVX-512 and AMX GEMM translation units (all compiled with
-// AVX-512 BW; where a unit defines KV_VBMI it targets AVX-512 VBMI and GFNI too, and wp_fp4_vbmi and
-// the GFNI byte shifts of wp_fp8_x2 serve there): FP8 e4m3 and FP4 e2m1 codes to bf16 pairs, ue8m0 scale bytes to fp32 powers of two.
+// Weight decoders shared by the AVX-512 and AMX GEMM translation units (all compiled with AVX-512 BW;
+// where a unit defines KV_VBMI it targets AVX-512 VBMI and GFNI too, and wp_fp4_vbmi and the GFNI byte
+// shifts of wp_fp8_x2 serve there): FP8 e4m3 and FP4 e2m1 codes to bf16 pairs, ue8m0 scale bytes to
+// fp32 powers of two, fp32 totals to bf16.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -83,6 +84,17 @@ static inline void wp_fp8_x2(const uint8_t* p, __m512i& w0, __m512i& w1) {
   const __m512i hi = _mm512_shuffle_epi8(high, nib);
   w0 = _mm512_unpacklo_epi8(lo, hi);
   w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// The first n (<= 16) of 16 fp32 values to bf16, round to nearest even (NaN -> quiet NaN), as c10's
+// conversion does.
+static inline void store_bf16(uint16_t* dst, const float* src, int n) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << n) - 1u), _mm512_cvtepi32_epi16(r));
 }
 
 // ue8m0 bytes -> 2^(e - 127) as fp32 (e = 0: the subnormal 2^-127).
