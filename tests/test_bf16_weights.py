@@ -95,3 +95,15 @@ def test_engine_defaults_to_bf16_and_float64_stays_float64() -> None:
     assert eng.model.layers[0].hc_attn_fn.dtype == torch.float32
     m64 = cast_model(make_model("tiny-v41"), torch.float64)
     assert all(p.dtype == torch.float64 for p in m64.parameters())
+
+
+def test_cast_model_twice_keeps_every_weight_in_place() -> None:
+    """Each engine casts the model it is given: a second cast of a cast model changes no storage
+    (the promoted compressor projections, already bf16-rounded fp32, included), so the kernels'
+    packs made of the first engine's weights stay valid for the next engine."""
+    model = cast_model(make_model("tiny-v41"), torch.bfloat16)
+    before = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
+    promoted = [n for n in before if ".compressor.w" in n and before[n][1] == torch.float32]
+    assert promoted  # the case this guards
+    cast_model(model, torch.bfloat16)
+    assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == before

@@ -49,7 +49,9 @@ def cast_model(model: nn.Module, dtype: torch.dtype, device: torch.device | str 
         for module in model.modules():
             for leaf, p in module.named_parameters(recurse=False):
                 if id(p) in promoted:
-                    p.data = p.data.to(dtype).to(torch.float32)
+                    rounded = p.data.to(dtype).to(torch.float32)
+                    if not (p.dtype == torch.float32 and torch.equal(rounded, p.data)):
+                        p.data = rounded  # (already rounded: the same storage, so packs made of it stay valid)
                 elif narrow and _keeps_fp32(module, leaf):
                     p.data = p.data.to(torch.float32)
                 else:
