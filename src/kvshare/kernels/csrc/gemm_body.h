@@ -211,21 +211,20 @@ static void few_rows_tile(const GemmArgs& a, int64_t m0, int64_t nb) {
   store_rows(a, m0, R, nb, G, G, tot);
 }
 
-// Groups [nb0, nb1) of R rows from m0, GF groups at a time.
-template <int FMT, int R, int GF>
-static void few_rows(const GemmArgs& a, int64_t m0) {
-  int64_t nb = a.nb0;
-  for (; nb + GF <= a.nb1; nb += GF) few_rows_tile<FMT, R, GF>(a, m0, nb);
-  for (; nb < a.nb1; ++nb) few_rows_tile<FMT, R, 1>(a, m0, nb);
+// Groups [nb, nb1) of R rows from m0: tiles of G groups while they fit, then of G / 2, ... 1.
+template <int FMT, int R, int G>
+static void few_rows(const GemmArgs& a, int64_t m0, int64_t nb) {
+  for (; nb + G <= a.nb1; nb += G) few_rows_tile<FMT, R, G>(a, m0, nb);
+  if constexpr (G > 1) few_rows<FMT, R, G / 2>(a, m0, nb);
 }
 
 template <int FMT>
 static void gemm_few_rows(const GemmArgs& a) {
   switch (a.M) {
-    case 1: few_rows<FMT, 1, FEW_GROUPS[0]>(a, 0); break;
-    case 2: few_rows<FMT, 2, FEW_GROUPS[1]>(a, 0); break;
-    case 3: few_rows<FMT, 3, FEW_GROUPS[2]>(a, 0); break;
-    default: few_rows<FMT, 4, FEW_GROUPS[3]>(a, 0); break;
+    case 1: few_rows<FMT, 1, FEW_GROUPS[0]>(a, 0, a.nb0); break;
+    case 2: few_rows<FMT, 2, FEW_GROUPS[1]>(a, 0, a.nb0); break;
+    case 3: few_rows<FMT, 3, FEW_GROUPS[2]>(a, 0, a.nb0); break;
+    default: few_rows<FMT, 4, FEW_GROUPS[3]>(a, 0, a.nb0); break;
   }
 }
 
