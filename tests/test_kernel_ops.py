@@ -7,9 +7,7 @@
    eager output. The pack-set ops (`attn_in`, `attn_out`, `index_select`, `moe_experts`) take a
    registered set by id, which opcheck's copies of the arguments do not reach: the set stays fresh
    (a stale one returns an empty list, which a fake cannot foresee).
-3. `moe_stamps` returns the addresses of its inputs, so its AOT check (which runs on other copies)
-   is skipped; its schema, autograd registration and fake are checked.
-4. The pack-set registry (`pack_set_new` / `pack_set_free`, csrc/pack_set.h) is a side effect on the
+3. The pack-set registry (`pack_set_new` / `pack_set_free`, csrc/pack_set.h) is a side effect on the
    library, never traced (`kernels.pack_sets.RegisteredSet` is compiler-disabled), so it has no fake
    and no opcheck case; `test_pack_sets_register_use_and_free` checks its contract instead.
 
@@ -229,7 +227,6 @@ CASES: list[tuple[str, str, Callable[[], Args]]] = [
     ("index_select", "index_select", _index_select),
     ("attn_in", "attn_in", _attn_in),
     ("attn_out", "attn_out", _attn_out),
-    ("moe_stamps", "moe_stamps", lambda: (([_f(3), _bf(2, 2)],), {})),
     ("moe_experts", "moe_experts", _moe_experts),
     ("fake_quant_fp4_ue8m0", "fake_quant_fp4", lambda: ((_bf(3, 64), 32, True), {})),
     ("fake_quant_fp4_e4m3", "fake_quant_fp4", lambda: ((_f(3, 64), 16, False), {})),
@@ -237,10 +234,6 @@ CASES: list[tuple[str, str, Callable[[], Args]]] = [
     *[(f"unpack_rows_{s}", "unpack_rows", _unpack_rows(s)) for s in range(4)],
     ("ring_store", "ring_store", _ring_store),
 ]
-
-#: opcheck's utilities minus the AOT one for an op whose outputs are its inputs' addresses
-NOT_AOT = ("test_schema", "test_autograd_registration", "test_faketensor")
-
 
 def _registered() -> set[str]:
     return {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("kvshare::")}
@@ -265,7 +258,7 @@ def test_opcheck(case: tuple[str, str, Callable[[], Args]]) -> None:
     with torch.no_grad():
         eager = op(*_clone(args))  # the inputs are valid: the op runs
     assert eager is None or isinstance(eager, (torch.Tensor, tuple, list))
-    opcheck(op, args, test_utils=NOT_AOT if name == "moe_stamps" else opcheck_all())
+    opcheck(op, args)  # every default utility: schema, autograd registration, fake, AOT dispatch
 
 
 def test_pack_sets_register_use_and_free() -> None:
@@ -289,10 +282,6 @@ def test_pack_sets_register_use_and_free() -> None:
     with pytest.raises(RuntimeError, match=f"no pack set {set_id}"):
         select()
     torch.ops.kvshare.pack_set_free(set_id)
-
-
-def opcheck_all() -> tuple[str, ...]:
-    return NOT_AOT + ("test_aot_dispatch_dynamic",)
 
 
 def _clone(args: tuple) -> tuple:

@@ -182,3 +182,13 @@ def load_note() -> dict[str, Any]:
         l1 = l5 = l15 = float("nan")
     return {"loadavg_1m": round(l1, 2), "loadavg_5m": round(l5, 2), "loadavg_15m": round(l15, 2),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def package_version(pkg: str) -> str:
+    """The installed version of distribution `pkg`, or "not installed" (for a report's header)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"

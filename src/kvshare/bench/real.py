@@ -90,18 +90,6 @@ class RealOptions:
                               "out_dir": self.out_dir})
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("torch", "llama-cpp-python"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def prepare_checkpoint(opts: RealOptions, tmp: Path) -> tuple[Path, Any, str]:
     """(checkpoint directory, its config, a note): reused from ``opts.checkpoint`` or written."""
     from kvshare.bench.real_checkpoint import real_config, write_released_checkpoint
@@ -238,7 +226,7 @@ def run_real(opts: RealOptions) -> tuple[list[Section], dict[str, Any], dict[str
     """Run, print and save (module doc); returns (sections, header, written paths)."""
     from kvshare.bench.bandwidth import weight_bytes_per_step
     from kvshare.bench.load_memory import measure_load
-    from kvshare.bench.measure import load_note
+    from kvshare.bench.measure import load_note, package_version
     from kvshare.bench.real_llamacpp import measure_lc_load, own_src_env, released_gguf
     from kvshare.weights.loader import load_model
 
@@ -247,7 +235,8 @@ def run_real(opts: RealOptions) -> tuple[list[Section], dict[str, Any], dict[str
     header: dict[str, Any] = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": opts.command(),
         "which": "real", "device": "cpu", "dtype": "bfloat16", "threads": list(opts.threads),
-        "python": platform.python_version(), **_versions(), "transformers": "not used", "machine": platform.machine(),
+        "python": platform.python_version(), "torch": package_version("torch"),
+        "llama-cpp-python": package_version("llama-cpp-python"), "transformers": "not used", "machine": platform.machine(),
         "load_before": load_note(), "options": {k: str(v) for k, v in asdict(opts).items()}}
     t_start = time.perf_counter()
     lc_model = None

@@ -23,7 +23,7 @@ import torch
 
 from kvshare.bench.bandwidth import bandwidth_section, cache_bytes_per_step, weight_bytes_per_step
 from kvshare.bench.kv_runner import DTYPES, build_model, engine_layout
-from kvshare.bench.measure import copy_bandwidth, load_note
+from kvshare.bench.measure import copy_bandwidth, load_note, package_version
 from kvshare.bench.report import Section, print_sections, save
 from kvshare.bench.sizes import BenchSizes, v41_config
 from kvshare.config import ModelConfig
@@ -62,19 +62,11 @@ def choose_threads(requested: int | None) -> int:
 
 
 def _header(opts: BenchOptions, threads: int) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    def ver(pkg: str) -> str:
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return "not installed"
-
     return {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "kvshare " + " ".join(sys.argv[1:]) if sys.argv and "kvshare" in sys.argv[0] else None,
             "which": opts.which, "quick": opts.quick, "device": opts.device, "dtype": opts.dtype,
             "threads": threads, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": ver("transformers"), "llama-cpp-python": ver("llama-cpp-python"),
+            "transformers": package_version("transformers"), "llama-cpp-python": package_version("llama-cpp-python"),
             "machine": platform.machine(), "load_before": load_note(),
             "sizes": opts.sizes.as_dict()}
 

@@ -21,7 +21,6 @@ import torch
 from kvshare.kernels.ops import ops
 
 
-
 def paged_attention(q: torch.Tensor, ring: torch.Tensor, step: torch.Tensor, meta: torch.Tensor, window: int,
                     sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
                     tables: torch.Tensor | None = None, seq: torch.Tensor | None = None,

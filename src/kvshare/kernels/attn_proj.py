@@ -63,7 +63,7 @@ def attn_in(x: torch.Tensor, packs: ProjPacks, q_norm: torch.Tensor, kv_norm: to
     `head_norm` V4's per-head RMSNorm of q, `x_block` / `qr_block` the FP8 blocks of the wq_a / wkv
     and wq_b inputs (0: none). None when a watched weight changed (rebuild the packs, call again)."""
     out = ops.attn_in(x, packs.registered.id, q_norm, kv_norm, eps, c, s, heads, head_norm, x_block,
-                                    qr_block, best_isa())
+                      qr_block, best_isa())
     return (out[0], out[1], out[2]) if out else None
 
 
@@ -84,5 +84,5 @@ def index_select(qr: torch.Tensor, x: torch.Tensor, packs: ProjPacks, c: torch.T
     [FP8] qr)) by the tables c, s [T, rd], w = fp32(weights_proj(x)) * scale, for the pack set (wq_b,
     weights_proj); keys as `index_topk` takes them. None when a watched weight changed."""
     out = ops.index_select(qr, x, packs.registered.id, c, s, heads, scale, qr_block, best_isa(), keys,
-                                         keys_dtype == torch.bfloat16, tables, seq, counts, ratio, block_size, k)
+                           keys_dtype == torch.bfloat16, tables, seq, counts, ratio, block_size, k)
     return out[0] if out else None

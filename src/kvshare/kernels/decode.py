@@ -75,7 +75,7 @@ def mhc_post(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, 
              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32 from mixes m [T, (2 + hc) hc] (spec §7.1 steps 2-3)."""
     return ops.mhc_post(m.contiguous(), base.float().contiguous(), scale.float().contiguous(), hc, hc_eps,
-                                      iters)
+                        iters)
 
 
 def sinkhorn_(comb: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
@@ -92,7 +92,7 @@ def mhc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def mhc_expand(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """[T, hc, D] in h's dtype: post_k y + sum_j comb[j, k] h_j in fp32."""
     return ops.mhc_expand(h.contiguous(), y.to(h.dtype).contiguous(), post.float().contiguous(),
-                             comb.float().contiguous())
+                          comb.float().contiguous())
 
 
 def rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -123,7 +123,7 @@ def moe_gate(x: torch.Tensor, packed: "Packed", bias: torch.Tensor | None, k: in
     if packed.fmt != "fp32":
         raise ValueError(f"kernels.moe_gate: the gate weight must be an fp32 pack, got {packed.fmt}")
     w, picks = ops.moe_gate(x, packed.data, packed.exps, packed.n, packed.k, best_isa(), bias, k, func,
-                                          temp, normalize, factor, ids)
+                            temp, normalize, factor, ids)
     return w, picks
 
 
@@ -141,7 +141,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     k2 = None if keys2 is None else keys2.to(q.dtype).contiguous()
     v2 = None if valid2 is None else valid2.contiguous()
     return ops.sparse_attention(q.contiguous(), keys.to(q.dtype).contiguous(), valid.contiguous(), k2, v2,
-                                   sink.float().contiguous(), scale)
+                                sink.float().contiguous(), scale)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor | None:

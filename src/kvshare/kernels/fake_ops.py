@@ -142,10 +142,6 @@ def register() -> None:
     def _attn_out(o, set_id, c, s, u_block, out_dim, isa):  # noqa: ANN001, ANN202
         return [_like(o, (o.shape[0], out_dim))]
 
-    @register_fake("kvshare::moe_stamps")
-    def _moe_stamps(watch):  # noqa: ANN001, ANN202
-        return watch[0].new_empty((len(watch), 3), dtype=torch.int64)
-
     @register_fake("kvshare::moe_experts")
     def _moe_experts(x, ids, weights, set_id, limit, x_block, h_block, isa):  # noqa: ANN001, ANN202
         return [_like(x, x.shape)]

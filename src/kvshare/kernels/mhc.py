@@ -46,7 +46,7 @@ def enter(h: torch.Tensor, fn: Packed, base: torch.Tensor, scale: torch.Tensor, 
     reads streams h [T, hc, D] (bf16 / fp32): mixes from `fn` (fp32 pack of [(2 + hc) hc, hc D]),
     `base`, `scale`; x = RMSNorm(collapse(h, collapse_pre or pre), norm_w, norm_eps)."""
     return ops.mhc_enter(h, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps, rms_eps, hc_eps,
-                                       iters, best_isa())
+                         iters, best_isa())
 
 
 def boundary(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: Packed, base: torch.Tensor,
@@ -55,7 +55,7 @@ def boundary(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.T
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h' = expand(h, y, post, comb) [T, hc, D], then `enter`'s four outputs on h'); y [T, D] in h's dtype."""
     return ops.mhc_boundary(h, y, post, comb, _fp32_pack(fn), base, scale, collapse_pre, norm_w, norm_eps,
-                                          rms_eps, hc_eps, iters, best_isa())
+                            rms_eps, hc_eps, iters, best_isa())
 
 
 def leave(h: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -70,4 +70,4 @@ def head(h: torch.Tensor, pre: torch.Tensor | None, norm_w: torch.Tensor, norm_e
     or, when `fn` (fp32 pack of [hc, hc D]), `base` [hc] and `scale` [1] are given instead (V4),
     pre = sigmoid(fn . rms(flat h) * scale + base) + hc_eps."""
     return ops.mhc_head(h, None if fn is None else _fp32_pack(fn), base, scale, pre, norm_w, norm_eps,
-                                      rms_eps, hc_eps, best_isa())
+                        rms_eps, hc_eps, best_isa())

@@ -76,5 +76,5 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packs: La
     `x_block` / `h_block`: FP8 blocks of the w1 / w3 and the w2 inputs (0: no rounding). None when
     a watched weight changed since `packs` was built (rebuild them and call again)."""
     out = ops.moe_experts(x.contiguous(), ids.contiguous(), weights.contiguous(), packs.registered.id,
-                                        float(limit), x_block, h_block, best_isa())
+                          float(limit), x_block, h_block, best_isa())
     return out[0] if out else None

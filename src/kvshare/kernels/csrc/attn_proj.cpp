@@ -89,7 +89,7 @@ c10::optional<std::vector<torch::Tensor>> attn_in(const torch::Tensor& x_in, con
   TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 &&
               (x_in.scalar_type() == torch::kBFloat16 || x_in.scalar_type() == torch::kFloat32),
               kIn, ": x must be a bf16 / fp32 CPU tensor [T, D], got ", x_in.scalar_type(), " ", x_in.sizes());
-  if (!stamps_fresh(set.watch, set.stamps, kIn)) return c10::nullopt;
+  if (!set.fresh()) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kIn);
   const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kIn);
@@ -128,7 +128,7 @@ c10::optional<torch::Tensor> attn_out(const torch::Tensor& o, const PackSet& set
   TORCH_CHECK(o.device().is_cpu() && o.dim() == 3 && o.is_contiguous() &&
               (o.scalar_type() == torch::kBFloat16 || o.scalar_type() == torch::kFloat32),
               kOut, ": o must be a contiguous bf16 / fp32 CPU tensor [T, H, d], got ", o.scalar_type(), " ", o.sizes());
-  if (!stamps_fresh(set.watch, set.stamps, kOut)) return c10::nullopt;
+  if (!set.fresh()) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kOut);
   const bool bf16 = o.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kOut);
@@ -167,7 +167,7 @@ c10::optional<std::vector<torch::Tensor>> index_query(const torch::Tensor& qr_in
                 t->scalar_type() == qr_in.scalar_type() && t->size(0) == qr_in.size(0),
                 kIdx, ": qr and x must be bf16 / fp32 CPU tensors [T, .] of one dtype and T, got ", qr_in.sizes(), " ",
                 qr_in.scalar_type(), " and ", x_in.sizes(), " ", x_in.scalar_type());
-  if (!stamps_fresh(set.watch, set.stamps, kIdx)) return c10::nullopt;
+  if (!set.fresh()) return c10::nullopt;
   const GemmPath path = gemm_path(isa, kIdx);
   const bool bf16 = qr_in.scalar_type() == torch::kBFloat16;
   const auto lin = linears(set, bf16, kIdx, 2);

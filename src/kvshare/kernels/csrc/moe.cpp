@@ -32,7 +32,7 @@ c10::optional<torch::Tensor> moe_experts(const torch::Tensor& x, const torch::Te
                                          const PackSet& set, double limit, int64_t x_block, int64_t h_block,
                                          const std::string& isa) {
   // ---- the pack set is still the layer's weights ----
-  if (!stamps_fresh(set.watch, set.stamps, "kernels.moe_experts")) return c10::nullopt;
+  if (!set.fresh()) return c10::nullopt;
   const auto& packs = set.packs;
   const auto& meta = set.meta;
   // ---- arguments ----

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 #include "fp8.h"
-#include "pack_set.h"  // moe_stamps, stamps_fresh, the registered sets the op takes
+#include "pack_set.h"  // the registered sets the op takes
 #include "packed_gemm.h"
 
 namespace kvshare_kernels {

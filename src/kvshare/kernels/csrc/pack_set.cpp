@@ -17,33 +17,14 @@ std::unordered_map<int64_t, std::shared_ptr<const PackSet>>& registry() {
   return sets;
 }
 
-int64_t stamp_version(const torch::Tensor& t) { return t.is_inference() ? -1 : static_cast<int64_t>(t._version()); }
-
 }  // namespace
 
-torch::Tensor moe_stamps(at::TensorList watch) {
-  auto out = torch::empty({static_cast<int64_t>(watch.size()), 3}, torch::kInt64);
-  auto* o = out.data_ptr<int64_t>();
-  for (size_t i = 0; i < watch.size(); ++i) {
-    const auto& t = watch[i];
-    o[3 * i] = reinterpret_cast<int64_t>(t.data_ptr());
-    o[3 * i + 1] = stamp_version(t);
-    o[3 * i + 2] = static_cast<int64_t>(t.scalar_type());
-  }
-  return out;
-}
+Stamp::Stamp(const torch::Tensor& t)
+    : data(t.data_ptr()), version(t.is_inference() ? -1 : static_cast<int64_t>(t._version())), dtype(t.scalar_type()) {}
 
-bool stamps_fresh(at::TensorList watch, const torch::Tensor& stamps, const char* who) {
-  TORCH_CHECK(stamps.scalar_type() == torch::kInt64 && stamps.is_contiguous() &&
-              stamps.numel() == 3 * static_cast<int64_t>(watch.size()),
-              who, ": stamps must be int64 [", watch.size(), ", 3], got ", stamps.sizes());
-  const auto* st = stamps.data_ptr<int64_t>();
-  for (size_t i = 0; i < watch.size(); ++i) {
-    const auto& t = watch[i];
-    if (reinterpret_cast<int64_t>(t.data_ptr()) != st[3 * i] || stamp_version(t) != st[3 * i + 1] ||
-        static_cast<int64_t>(t.scalar_type()) != st[3 * i + 2])
-      return false;
-  }
+bool PackSet::fresh() const {
+  for (size_t i = 0; i < watch.size(); ++i)
+    if (!(Stamp(watch[i]) == stamps[i])) return false;
   return true;
 }
 
@@ -56,7 +37,7 @@ int64_t pack_set_new(at::TensorList packs, const torch::Tensor& meta, at::Tensor
   set->packs.assign(packs.begin(), packs.end());
   set->meta = meta;
   set->watch.assign(watch.begin(), watch.end());
-  set->stamps = moe_stamps(watch);
+  for (const auto& t : watch) set->stamps.emplace_back(t);
   static int64_t next_id = 0;
   std::lock_guard<std::mutex> g(registry_lock());
   const int64_t id = ++next_id;
@@ -79,12 +60,10 @@ std::shared_ptr<const PackSet> pack_set_get(int64_t id, const char* who) {
 }  // namespace kvshare_kernels
 
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
-  m.def("moe_stamps(Tensor[] watch) -> Tensor");
   m.def("pack_set_new(Tensor[] packs, Tensor meta, Tensor[] watch) -> int");
   m.def("pack_set_free(int id) -> ()", &kvshare_kernels::pack_set_free);
 }
 
 TORCH_LIBRARY_IMPL(kvshare, CompositeExplicitAutograd, m) {
-  m.impl("moe_stamps", &kvshare_kernels::moe_stamps);  // reads addresses and versions: any device
   m.impl("pack_set_new", &kvshare_kernels::pack_set_new);
 }

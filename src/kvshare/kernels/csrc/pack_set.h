@@ -14,18 +14,25 @@
 
 namespace kvshare_kernels {
 
+// What a watched tensor was at registration: address, in-place version (-1 for an inference
+// tensor) and dtype.
+struct Stamp {
+  const void* data;
+  int64_t version;
+  at::ScalarType dtype;
+  explicit Stamp(const torch::Tensor& t);
+  bool operator==(const Stamp& o) const { return data == o.data && version == o.version && dtype == o.dtype; }
+};
+
 struct PackSet {
   std::vector<torch::Tensor> packs;  // data, exps of linear l at 2 l, 2 l + 1
   torch::Tensor meta;                // int64 [L, PACKED_META]
   std::vector<torch::Tensor> watch;  // the tensors whose change makes the set stale
-  torch::Tensor stamps;              // int64 [watch, 3]: moe_stamps(watch) at registration
+  std::vector<Stamp> stamps;         // of `watch`, taken at registration
+
+  // Whether every watched tensor still has its stamp (no allocation).
+  bool fresh() const;
 };
-
-// (data_ptr, version (-1 for an inference tensor), dtype) of each tensor, [L, 3] int64.
-torch::Tensor moe_stamps(at::TensorList watch);
-
-// Whether every tensor of `watch` still has the stamps row it had (no allocation).
-bool stamps_fresh(at::TensorList watch, const torch::Tensor& stamps, const char* who);
 
 // Registers a set (the tensors are held, not copied) and returns its id (> 0).
 int64_t pack_set_new(at::TensorList packs, const torch::Tensor& meta, at::TensorList watch);
