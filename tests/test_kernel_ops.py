@@ -111,7 +111,7 @@ def _paged_attention() -> Args:
     meta = torch.tensor([[0, 5, 4, 0], [1, 3, 3, 2]])  # (slot, pos, chunk start, first step row)
     pool, tables = _ring_rows(3, 4, d), torch.tensor([[0, 2], [1, 0]])
     return (_bf(t, h, d), _ring_rows(2, 4, d), _bf(3, d), meta, 4, pool, tables, torch.tensor([0, 1]), None,
-            torch.tensor([5, 8]), 1, 4, _f(h), 0.25), {}
+            torch.tensor([5, 8]), 1, 4, _f(h), 0.25, [-1, 0, 0, -1, 0, 0]), {}
 
 
 def _index_topk() -> Args:
@@ -285,8 +285,10 @@ def test_pack_sets_register_use_and_free() -> None:
 
 
 def _clone(args: tuple) -> tuple:
-    return tuple([t.clone() for t in a] if isinstance(a, list) else a.clone() if isinstance(a, torch.Tensor) else a
-                 for a in args)
+    def one(a):  # noqa: ANN001, ANN202
+        return a.clone() if isinstance(a, torch.Tensor) else a
+
+    return tuple([one(t) for t in a] if isinstance(a, list) else one(a) for a in args)
 
 
 def test_mutating_ops_write_their_declared_argument() -> None:

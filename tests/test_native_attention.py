@@ -170,6 +170,67 @@ def test_in_place_keys_give_the_bits_of_the_gathered_kernel(dtype: torch.dtype, 
         assert torch.equal(alone, got[r:r + 1])
 
 
+# (kind, format name, arch, rope dims) of the quantised rows the kernel decodes: V4's window / kv rows
+# (e4m3 nope dims, bf16 rope dims, 48-value blocks at d = 64), V4.1's window rows (e4m3, blocks of 32)
+# and kv rows (e2m1, e4m3 scales per 16)
+_CODED = {"fp8_v4": ("window", "fp8_v4", "v4", 16), "fp8_v41": ("window", "fp8_v41", "v41", 0),
+          "fp4": ("kv", "fp4", "v41", 0)}
+
+
+def _store(vals: torch.Tensor, name: str, lead_bytes: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """(rows uint8 [A, B, row bytes + 3] in a strided view `lead_bytes` into wider blocks, the values
+    torch's decoder reads from them in vals' dtype, the codec) of `vals` [A, B, d] stored in the format
+    `name` (`_CODED`): the values made representable (`fake_quant`), then packed. The decoded values
+    come from `unpack` without a dtype (torch's fp32 decoder, not the native codec the kernel shares),
+    rounded to vals' dtype as a gather reads them."""
+    from kvshare.cache.formats import row_format
+
+    kind, fname, arch, rope = _CODED[name]
+    fmt = row_format(kind, fname, vals.shape[-1], arch=arch, rope_dim=rope)
+    packed = fmt.pack(fmt.fake_quant(vals.float()))
+    a, b, width = *packed.shape[:2], fmt.row_bytes + 3
+    blocks = torch.zeros(a, lead_bytes + 9 + b * width, dtype=torch.uint8)
+    rows = torch.as_strided(blocks, (a, b, width), (blocks.stride(0), width, 1), lead_bytes)
+    rows[..., :fmt.row_bytes] = packed
+    return rows, fmt.unpack(packed).to(vals.dtype), fmt.codec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ring_fmt,pool_fmt", [("fp8_v4", "fp8_v4"), ("fp8_v41", "fp4"), ("fp4", "fp8_v41"),
+                                               ("fp8_v41", None)])
+def test_quantised_rows_read_in_place_give_the_bits_of_the_decoded_gather(dtype: torch.dtype, ring_fmt: str,
+                                                                          pool_fmt: str | None) -> None:
+    """Ring and pool rows stored as FP8 / FP4 rows (V4's pair, V4.1's pair, the V4.1 formats swapped,
+    a ring alone), decoded by the kernel as it reads them: bitwise the kernel over the rows torch's
+    decoder gives, gathered by the address rules here. Mutations caught: the e4m3 exponent bias 119
+    instead of 120 in `e4m3_to_f32` (every case), the fp4 nibbles swapped in `decode_row` (the cases
+    with fp4 rows), the pool read with the ring's codec in the op (the V4.1 pairs; also the tiny-v41
+    engine tests of tests/test_quantised_in_place.py)."""
+    c = _case(dtype, 8, seed=11 + len(ring_fmt))
+    q, d = c["q"], c["q"].shape[-1]
+    c["ring"], c["ring_vals"], ring_codec = _store(c["ring_vals"], ring_fmt, 0)
+    picks, pool_args = None, {}
+    if pool_fmt is not None:
+        c["view"], c["pool_vals"], pool_codec = _store(c["pool_vals"], pool_fmt, 11)
+        picks = _picks(c, 6, 3)
+        pool_args = dict(pool=c["view"], tables=c["tables"], seq=c["seq"], picks=picks, ratio=c["ratio"],
+                         block_size=c["bsz"], pool_codec=pool_codec)
+    got = paged_attention(q, c["ring"], c["step"], c["meta"], c["w"], c["sink"], d**-0.5, ring_codec=ring_codec,
+                          **pool_args)
+    keys = _gathered(c, picks)
+    assert torch.equal(got, native.sparse_attention(q, *keys[:2], c["sink"], d**-0.5, *keys[2:]))
+
+
+def test_a_row_layout_that_does_not_fit_is_refused() -> None:
+    c = _case(torch.float32, 1, seed=2)
+    ring, _, _ = _store(c["ring_vals"], "fp8_v41", 0)  # rows of 64 codes + 2 scale bytes + 3 pad = 69 bytes
+    args = (c["q"], ring, c["step"], c["meta"], c["w"], c["sink"], 0.1)
+    with pytest.raises(RuntimeError, match="ring's row layout"):
+        paged_attention(*args, ring_codec=(2, 24, 0))  # 64 values in blocks of 24
+    with pytest.raises(RuntimeError, match="ring must be uint8"):
+        paged_attention(*args, ring_codec=(3, 8, 0))  # 64 e4m3 codes + 8 scale bytes: longer than the 69 stored
+
+
 def test_threads_do_not_change_the_bits() -> None:
     c = _case(torch.bfloat16, 13, seed=5)
     args = (c["q"], c["ring"], c["step"], c["meta"], c["w"], c["sink"], 0.125)

@@ -1,12 +1,14 @@
-"""Quantised cache rows decoded once per step for the in-place attention (`PagedAttention.decode_pays`,
-`PagedBackend.window_keys` / ``pool_keys`` with ``decode=True``).
+"""Quantised cache rows for the in-place attention: decoded once per step where that pays
+(`PagedAttention.decode_pays`, `PagedBackend.window_keys` / ``pool_keys`` with ``decode=True``), else
+read where they are stored and decoded by the kernel (``reader_decodes=True``).
 
-With the FP8 / FP4 cache formats (``quantize=True``) the in-place kernel cannot read the stored rows,
-so the native attention gathered every query row's keys (T x (window + top-k) rows, each decoded): a
-1,024-token prefill chunk of V4.1-Flash-sized layers copied ~0.8 GB per layer. A step that reads more
-rows than its sequences hold now decodes each slot's window ring and the blocks of each sequence's
-compressed prefix once and hands the copies to the in-place kernel; a decode step (one token per
-sequence) keeps the gather, whose cost does not grow with the context.
+With the FP8 / FP4 cache formats (``quantize=True``) a gather of every query row's keys costs
+T x (window + top-k) decoded rows: a 1,024-token prefill chunk of V4.1-Flash-sized layers copied
+~0.8 GB per layer. A step that reads more rows than its sequences hold decodes each slot's window
+ring and the blocks of each sequence's compressed prefix once and hands the copies to the in-place
+kernel; a decode step (one token per sequence) hands the kernel the stored rows with their codec
+(`RowFormat.codec`): it decodes each key it reads (window + picks: a cost that does not grow with
+the context), with no gathered copy and no torch ops per layer.
 
 References: the gather path of the same engine (`PagedAttention.in_place` returning None): every
 sampled logits row bitwise equal (the same keys in the same order through the same arithmetic,
@@ -36,12 +38,14 @@ def _serve(name: str, dtype: torch.dtype, in_place: bool, monkeypatch: pytest.Mo
     decodes, slots reused (a request of the second wave takes a finished one's slot), decode past
     the window ring's wrap."""
     model = Transformer(load_config(name), quant=False).init_weights(3).eval().to(dtype)
-    calls = {"chunk": 0, "decode": 0}
+    calls = {"chunk": 0, "decode": 0, "decode forwards": 0}
 
     def counted(self, q, kv, picks, ctx, sink):
         o = _IN_PLACE(self, q, kv, picks, ctx, sink) if in_place else None
+        kind = "chunk" if ctx.addr.num_tokens > ctx.addr.num_seqs else "decode"
+        calls["decode forwards"] += kind == "decode"
         if o is not None:
-            calls["chunk" if ctx.addr.num_tokens > ctx.addr.num_seqs else "decode"] += 1
+            calls[kind] += 1
         return o
 
     monkeypatch.setattr(PagedAttention, "in_place", counted)
@@ -60,14 +64,16 @@ def _serve(name: str, dtype: torch.dtype, in_place: bool, monkeypatch: pytest.Mo
 def test_decoded_rows_give_the_bits_of_the_gather_path(name: str, dtype: torch.dtype,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokens and every logits row bitwise those of the gather path; prefill chunks took the decoded
-    in-place path on every layer, decode steps never (their cost stays independent of the context).
-    Mutations caught: the ring copy read by slot (``window_meta()`` in `window_keys`' decoded branch:
-    all four), the decoded blocks' tables one block off (``arange(n * c) + 1`` clamped: all four)."""
+    in-place path on every layer, decode steps the stored rows read in place (every layer of every
+    decode step). Mutations caught: the ring copy read by slot (``window_meta()``
+    in `window_keys`' decoded branch: all four), the decoded blocks' tables one block off
+    (``arange(n * c) + 1`` clamped: all four), the pool read with the window ring's codec (tiny-v41:
+    fp4 kv rows, fp8_v41 window rows)."""
     ref_tokens, ref_rows, ref_calls = _serve(name, dtype, False, monkeypatch)
     tokens, rows, calls = _serve(name, dtype, True, monkeypatch)
-    assert ref_calls == {"chunk": 0, "decode": 0}
+    assert ref_calls["chunk"] == ref_calls["decode"] == 0
     layers = load_config(name).num_hidden_layers
-    assert calls["chunk"] >= layers * 5 and calls["decode"] == 0, calls
+    assert calls["chunk"] >= layers * 5 and calls["decode"] == calls["decode forwards"] >= layers * 11, calls
     assert tokens == ref_tokens
     assert rows.keys() == ref_rows.keys()
     for k in rows:
@@ -75,8 +81,9 @@ def test_decoded_rows_give_the_bits_of_the_gather_path(name: str, dtype: torch.d
 
 
 def test_decode_steps_gather_and_chunks_decode() -> None:
-    """`decode_pays` from host ints: one token per sequence gathers (window + picks <= window +
-    the prefix), a chunk of many tokens decodes; a ratio-0 layer decodes once a sequence has two rows."""
+    """`decode_pays` from host ints: one token per sequence reads the stored rows (window + picks <=
+    window + the prefix), a chunk of many tokens decodes a copy; a ratio-0 layer decodes a copy once a
+    sequence has two rows."""
     from types import SimpleNamespace
 
     def ctx(tokens: int, seqs: int, width: int):

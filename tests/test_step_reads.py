@@ -85,13 +85,16 @@ def test_every_backend_declares_the_in_place_reads() -> None:
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_batch_invariant_decode_reuses_the_sources_gathered_rows(share: bool) -> None:
-    """A batch-invariant engine over FP8 / FP4 cache rows (which the in-place kernel does not read)
-    gathers each decode row's picks (`PagedAttention._picked`); a Reuse
-    layer asks with its source's picks and the step's sequence index, so with sharing on it gets
-    the rows its source gathered (one gather per region and step), with sharing off none.
-    Mutation caught (sharing on): the sequence index expanded per call
-    (``seq.unsqueeze(1).expand_as(picks)``: a new tensor each layer, no hit)."""
+def test_batch_invariant_decode_reuses_the_sources_gathered_rows(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-invariant engine over FP8 / FP4 cache rows whose attention gathers (the in-place
+    reads off: the torch attention, or a backend without them) gathers each decode row's picks
+    (`PagedAttention._picked`); a Reuse layer asks with its source's picks and the step's sequence
+    index, so with sharing on it gets the rows its source gathered (one gather per region and
+    step), with sharing off none. Mutation caught (sharing on): the sequence index expanded per
+    call (``seq.unsqueeze(1).expand_as(picks)``: a new tensor each layer, no hit)."""
+    from kvshare.layers.attention import PagedAttention
+
+    monkeypatch.setattr(PagedAttention, "in_place", lambda self, *a: None)
     eng = _engine(share, batch_invariant=True, quantize=True)
     eng.add_request("a", token_ids(eng.cfg, 40).tolist(), SamplingParams(max_tokens=4))
     eng.step()  # the prefill

@@ -85,11 +85,12 @@ class DenseCache:
         ring.write(batch.addresses().ring_write(ring.rows), values.detach())
 
     def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch,
-                    decode: bool = False) -> None:
+                    decode: bool = False, reader_decodes: bool = False) -> None:
         """No in-place reads here (the protocol's capability): readers gather with `history`."""
         return None
 
-    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch, decode: bool = False) -> None:
+    def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch, decode: bool = False,
+                  reader_decodes: bool = False) -> None:
         """No in-place reads here (the protocol's capability): readers gather with ``gather_*``."""
         return None
 

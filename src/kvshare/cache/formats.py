@@ -156,6 +156,13 @@ class RowFormat:
         return _PLAIN_DTYPES.get(self.scheme) if self.row_bytes else None
 
     @property
+    def codec(self) -> tuple[int, int, int] | None:
+        """(scheme id, block, rope dims) for a native kernel that decodes these rows itself
+        (`kernels.rows.SCHEMES`: the FP8 / FP4 schemes), None for the others."""
+        sid = native_rows.SCHEMES.get(self.scheme)
+        return None if sid is None or not self.row_bytes else (sid, self.block, self.rope_dim)
+
+    @property
     def label(self) -> str:
         """e.g. ``fp4:288`` (canonical name and row bytes)."""
         return f"{self.name}:{self.row_bytes}"

@@ -32,6 +32,9 @@ from kvshare.cache.step_reads import StepReadCache
 from kvshare.step import StepBatch
 from kvshare.step.addresses import StepAddresses, compressed_row_address
 
+#: reading dtypes quantised rows are decoded to for in-place readers (the native decoders' outputs)
+_DECODED = (torch.bfloat16, torch.float32)
+
 
 class PagedBackend:
     def __init__(self, pool: BlockPool) -> None:
@@ -107,25 +110,29 @@ class PagedBackend:
         self._defer(name, layer, self.pool.ring(name, layer, depth, values.shape[-1]), values, batch)
 
     def window_keys(self, name: str, layer: int, values: torch.Tensor, depth: int,
-                    batch: StepBatch, decode: bool = False) -> WindowKeys | None:
+                    batch: StepBatch, decode: bool = False, reader_decodes: bool = False) -> WindowKeys | None:
         """`history` for every token row without the gather: the ring's stored bytes and the step's
-        row facts, for a kernel that reads them in place (cache/in_place.py); None where the ring's
-        rows are not plain values of `values`' dtype (the caller then asks `history`), unless
-        `decode`: quantised rows are then decoded once, the step's slots only (N x ring rows, not
-        T x depth gathered rows), into a ring copy read by sequence (`StepAddresses.window_meta`).
-        The ring update is deferred exactly as `history` defers it."""
+        row facts, for a kernel that reads them in place (cache/in_place.py), where the ring's rows
+        are plain values of `values`' dtype; else, with `decode`, quantised rows decoded once, the
+        step's slots only (N x ring rows, not T x depth gathered rows), into a ring copy read by
+        sequence (`StepAddresses.window_meta`); else, with `reader_decodes` (a kernel that decodes
+        the native FP8 / FP4 schemes itself), the stored rows and their `RowFormat.codec`; else None
+        (the caller then asks `history`). The ring update is deferred exactly as `history` defers it."""
         ring = self.pool.ring(name, layer, depth, values.shape[-1])
         if ring.fmt is None:
             return None
         plain = ring.fmt.plain_dtype == values.dtype
-        if not plain and not decode:
+        coded = reader_decodes and ring.fmt.codec is not None and values.dtype in _DECODED
+        if not (plain or decode or coded):
             return None
         addr = self._bound(batch)
         self._defer(name, layer, ring, values, batch)
         if plain:
             return WindowKeys(ring.data, values, addr.window_meta(), depth)
-        rows = ring.unpack(ring.data[batch.slots], values.dtype)  # [N, ring rows, width]
-        return WindowKeys(rows.view(torch.uint8), values, addr.window_meta(by_sequence=True), depth)
+        if decode:
+            rows = ring.unpack(ring.data[batch.slots], values.dtype)  # [N, ring rows, width]
+            return WindowKeys(rows.view(torch.uint8), values, addr.window_meta(by_sequence=True), depth)
+        return WindowKeys(ring.data, values, addr.window_meta(), depth, ring.fmt.codec)
 
     def _defer(self, name: str, layer: int, ring: Ring, values: torch.Tensor, batch: StepBatch) -> None:
         """Queue the ring update of this step's `values` (once per (name, layer) and step)."""
@@ -160,19 +167,24 @@ class PagedBackend:
             self._reads.invalidate(view)
 
     def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch,
-                  decode: bool = False) -> PoolKeys | None:
+                  decode: bool = False, reader_decodes: bool = False) -> PoolKeys | None:
         """The region layer `layer` reads, in place (cache/in_place.py), where its rows are plain
-        values of `dtype`; None otherwise (the caller then gathers with `gather_rows`), unless
-        `decode`: quantised rows are then decoded once into a copy of the blocks holding the step's
-        prefix rows (``StepAddresses.prefix``: every row a causal reader may reach), with block
-        tables of that copy; layers reading one region in a step share the copy (StepReadCache)."""
+        values of `dtype`; else, with `decode`, quantised rows decoded once into a copy of the blocks
+        holding the step's prefix rows (``StepAddresses.prefix``: every row a causal reader may
+        reach), with block tables of that copy (layers reading one region in a step share the copy:
+        StepReadCache); else, with `reader_decodes` (see `window_keys`), the stored rows and their
+        `RowFormat.codec`; else None (the caller then gathers with `gather_rows`)."""
         fmt = self.pool.formats[kind]
-        if fmt.plain_dtype != dtype and not (decode and dtype in (torch.bfloat16, torch.float32)):
+        plain = fmt.plain_dtype == dtype
+        coded = reader_decodes and fmt.codec is not None and dtype in _DECODED
+        if not (plain or (decode and dtype in _DECODED) or coded):
             return None
         addr = self._bound(batch)
         tables, ratio, view = self._tables(batch), self.pool.ratio(layer), self.pool.read_view(kind, layer)
-        if fmt.plain_dtype == dtype:
+        if plain:
             return PoolKeys(view, tables, ratio, self.block_size)
+        if not decode:
+            return PoolKeys(view, tables, ratio, self.block_size, fmt.codec)
         span = addr.block_span(addr.prefix(ratio), tables, self.block_size)  # [N, C]
         n, c = span.shape
         if c == 0:

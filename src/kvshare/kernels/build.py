@@ -41,7 +41,8 @@ SOURCES = ("gemm_run.cpp", "gemm_avx512.cpp", "gemm_avx512_vbmi.cpp", "gemm_avx2
            "decode.cpp", "decode_ops.cpp", "gate.cpp", "rows.cpp", "moe.cpp", "attn.cpp", "index.cpp", "attn_ops.cpp",
            "mhc.cpp", "mhc_ops.cpp", "packed_gemm.cpp", "attn_proj.cpp", "pack_set.cpp")
 _HEADERS = ("checks.h", "gemm.h", "gemm_run.h", "gemm_body.h", "gemm_avx512_unit.h", "fp8.h", "decode.h", "weights512.h",
-            "rows.h", "lanes8.h", "moe.h", "attn.h", "index.h", "mhc.h", "packed_gemm.h", "attn_proj.h", "pack_set.h")
+            "rows.h", "row_codec.h", "lanes8.h", "moe.h", "attn.h", "index.h", "mhc.h", "packed_gemm.h", "attn_proj.h",
+            "pack_set.h")
 
 
 def cache_root() -> Path:

@@ -121,7 +121,7 @@ def register() -> None:
 
     @register_fake("kvshare::paged_attention")
     def _paged_attention(q, ring, step, meta, w, pool, tables, seq, picks, counts, ratio, block_size, sink,  # noqa: ANN001, ANN202
-                         scale):
+                         scale, codecs):
         return _like(q, q.shape)
 
     @register_fake("kvshare::index_topk")

@@ -19,9 +19,9 @@ summation shapes and orders differ):
 * ``forward_native`` (batch-invariant with the native attention, head_dim % 8 == 0): the same keys
   in the same order through `kernels.decode.sparse_attention` (its own summation order, bounded
   against the torch code in tests), and, where the cache backend offers in-place reads
-  (`CacheBackend.window_keys` / ``pool_keys``: plain rows of q's dtype), read where they are stored
-  (`kernels.attn.paged_attention`, all rows in one call: the bits of the native kernel over
-  gathered rows). Per-call facts fall back inside it: activations the kernels do not take (a model
+  (`CacheBackend.window_keys` / ``pool_keys``: plain rows of q's dtype, or FP8 / FP4 rows the
+  kernel decodes), read where they are stored (`kernels.attn.paged_attention`, all rows in one
+  call: the bits of the native kernel over gathered rows). Per-call facts fall back inside it: activations the kernels do not take (a model
   cast after it was bound; autograd recording) run ``forward_invariant``; q and cached rows of
   different dtypes run the torch product for that call.
 """
@@ -120,19 +120,22 @@ class PagedAttention(BoundOp):
         window ring and this step's rows, the pool's compressed rows through the block table), all
         rows in one call; the same keys in the same order as the gathers. None (nothing read,
         nothing deferred) where the backend does not offer in-place reads of these rows (the dense
-        cache; quantised rows) or q and kv differ in dtype."""
+        cache; rows of a format the kernel does not decode) or q and kv differ in dtype. Quantised
+        rows are decoded once into a copy where that pays (`decode_pays`: prefill chunks), else
+        decoded by the kernel as it reads them (decode steps)."""
         cache = ctx.cache
         if q.dtype != kv.dtype:
             return None
         decode = self.decode_pays(ctx, picks)
-        rows = cache.pool_keys("kv", self.layer, q.dtype, ctx.batch, decode=decode) if self.ratio > 0 else None
+        rows = (cache.pool_keys("kv", self.layer, q.dtype, ctx.batch, decode=decode, reader_decodes=True)
+                if self.ratio > 0 else None)
         if self.ratio > 0 and rows is None:
             return None
-        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch, decode=decode)
+        win = cache.window_keys("window", self.layer, kv, self.window, ctx.batch, decode=decode, reader_decodes=True)
         if win is None:
             return None
         if rows is None:
-            return paged_attention(q, win.ring, win.step, win.meta, win.depth, sink, self.scale)
+            return paged_attention(q, win.ring, win.step, win.meta, win.depth, sink, self.scale, ring_codec=win.codec)
         pre = ctx.addr.prefix(self.ratio)
         counts = pre.compress_len if picks is None else None  # V4 HCA: every causal entry
         if picks is not None and picks.shape[1] > pre.width:
@@ -140,7 +143,8 @@ class PagedAttention(BoundOp):
             # the width are -1 for every row (they add nothing; the kernel need not visit them)
             picks = picks[:, :pre.width]
         return paged_attention(q, win.ring, win.step, win.meta, win.depth, sink, self.scale, rows.view,
-                               rows.tables, ctx.seq_index, picks, counts, rows.ratio, rows.block_size)
+                               rows.tables, ctx.seq_index, picks, counts, rows.ratio, rows.block_size, win.codec,
+                               rows.codec)
 
     def decode_pays(self, ctx: "StepContext", picks: torch.Tensor | None) -> bool:
         """Whether quantised cache rows are better decoded once for this step (the step's window

@@ -53,8 +53,9 @@ class CacheBackend(Protocol):
     In-place reads (a declared capability, part of the protocol: every backend implements both
     methods): ``window_keys`` and ``pool_keys`` hand a native kernel the stored window ring / pool
     rows themselves (`cache.in_place`) instead of gathered copies. A backend that offers no such
-    reads (the dense cache), or whose rows are not plain values of the reader's dtype (FP8 / FP4
-    formats), returns None, and the reader gathers (``history`` / ``gather_*``). Where
+    reads (the dense cache), or whose rows are neither plain values of the reader's dtype nor (for
+    a reader that decodes them, ``reader_decodes``) of a native FP8 / FP4 scheme, returns None, and
+    the reader gathers (``history`` / ``gather_*``). Where
     ``window_keys`` returns rows it defers the ring update exactly as ``history`` would.
     """
 
@@ -105,14 +106,17 @@ class CacheBackend(Protocol):
         ...
 
     def window_keys(
-        self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch, decode: bool = False
+        self, name: str, layer: int, values: torch.Tensor, depth: int, batch: StepBatch, decode: bool = False,
+        reader_decodes: bool = False,
     ) -> WindowKeys | None:
         """`history` of every token row, in place (see the class doc), or None where not offered;
-        `decode`: quantised rows may be decoded once into a copy read in place."""
+        `decode`: quantised rows may be decoded once into a copy read in place; `reader_decodes`:
+        the reader decodes quantised rows of a native scheme itself (they come with their codec)."""
         ...
 
     def pool_keys(self, kind: str, layer: int, dtype: torch.dtype, batch: StepBatch,
-                  decode: bool = False) -> PoolKeys | None:
+                  decode: bool = False, reader_decodes: bool = False) -> PoolKeys | None:
         """The compressed rows layer `layer` reads, in place, where they are plain `dtype` values (or, with
-        `decode`, quantised rows decoded once into a copy); else None."""
+        `decode`, quantised rows decoded once into a copy; with `reader_decodes`, quantised rows of a
+        native scheme with their codec); else None."""
         ...

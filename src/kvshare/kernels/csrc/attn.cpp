@@ -1,6 +1,7 @@
 // Paged sparse attention (see attn.h). Compiled like decode.cpp: AVX2 + FMA, floating-point
 // contraction off (the only fused multiply-adds are the explicit ones), SLEEF's expf as torch's
-// vector kernels. Keys are converted to fp32 once per row and used by every head; per (row, head)
+// vector kernels. Quantised keys are decoded to q's dtype once per query row (row_codec.h); keys are
+// converted to fp32 once per row and used by every head; per (row, head)
 // each dot product, the max, the exp, the denominator and the weighted sum run in exactly the
 // order of decode.cpp's sparse_attention, so the bits are that kernel's over the gathered keys.
 #pragma GCC target("avx2,fma,f16c")
@@ -29,19 +30,39 @@ inline void to_f32(const uint8_t* p, int bf16, int64_t d, float* out) {
   }
 }
 
-// The key rows of query row t, in attention order (null = invalid key).
-void row_keys(int64_t t, const WindowKeys& w, const PoolKeys* c, std::vector<const uint8_t*>& keys) {
+// A stored key row as values of q's dtype: the row itself (ROW_PLAIN), else decoded and rounded into `dst`.
+const uint8_t* readable(const uint8_t* src, const RowCodec& c, int bf16, int64_t d, float* tmp, uint8_t* dst) {
+  if (c.scheme == ROW_PLAIN) return src;
+  decode_row(src, c, tmp);
+  if (!bf16) {
+    memcpy(dst, tmp, sizeof(float) * d);
+    return dst;
+  }
+  uint16_t* h = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < d; ++i) h[i] = f32_to_bf16(tmp[i]);
+  return dst;
+}
+
+// The key rows of query row t, in attention order (null = invalid key), each readable as q's dtype:
+// quantised rows are decoded into `scratch` (one row of d values per key).
+void row_keys(int64_t t, const WindowKeys& w, const PoolKeys* c, int bf16, int64_t d,
+              std::vector<const uint8_t*>& keys, std::vector<uint8_t>& scratch, std::vector<float>& tmp) {
   keys.clear();
+  const int64_t n = c == nullptr ? 0 : (c->picks ? c->m : c->counts[t]);
+  const int64_t esz = bf16 ? 2 : 4;
+  scratch.resize(static_cast<size_t>((w.W + n) * d * esz));  // before any pointer into it is taken
+  tmp.resize(static_cast<size_t>(d));
+  auto spare = [&]() { return scratch.data() + static_cast<int64_t>(keys.size()) * d * esz; };
   const int64_t* m = w.meta + 4 * t;
   const int64_t slot = m[0], pos = m[1], start = m[2], first = m[3];
   for (int64_t i = 0; i < w.W; ++i) {
     const int64_t x = pos - w.W + 1 + i;
     if (x < 0) keys.push_back(nullptr);
     else if (x >= start) keys.push_back(w.step + (first + x - start) * w.step_stride);
-    else keys.push_back(w.ring + slot * w.slot_stride + (x % w.ring_rows) * w.row_stride);
+    else keys.push_back(readable(w.ring + slot * w.slot_stride + (x % w.ring_rows) * w.row_stride, w.codec, bf16, d,
+                                 tmp.data(), spare()));
   }
   if (c == nullptr) return;
-  const int64_t n = c->picks ? c->m : c->counts[t];
   const int64_t* tab = c->tables + c->seq[t] * c->table_cols;
   for (int64_t e = 0; e < n; ++e) {
     const int64_t j = c->picks ? c->picks[t * c->m + e] : e;
@@ -52,7 +73,8 @@ void row_keys(int64_t t, const WindowKeys& w, const PoolKeys* c, std::vector<con
       continue;
     }
     const int64_t row = (p % c->block_size) / c->ratio;
-    keys.push_back(c->pool + tab[col] * c->block_stride + row * c->row_stride);
+    keys.push_back(readable(c->pool + tab[col] * c->block_stride + row * c->row_stride, c->codec, bf16, d, tmp.data(),
+                            spare()));
   }
 }
 
@@ -63,9 +85,10 @@ void paged_attention(const void* q, int bf16, int64_t H, int64_t d, const Window
   const int64_t nv = d / 8;
   const int64_t esz = bf16 ? 2 : 4;
   std::vector<const uint8_t*> keys;
-  std::vector<float> qf(H * d), kf(d), acc(H * d), s, denom(H), mx(H);
+  std::vector<uint8_t> scratch;
+  std::vector<float> qf(H * d), kf(d), acc(H * d), s, denom(H), mx(H), tmp;
   for (int64_t t = t0; t < t1; ++t) {
-    row_keys(t, win, pool, keys);
+    row_keys(t, win, pool, bf16, d, keys, scratch, tmp);
     const int64_t M = static_cast<int64_t>(keys.size());
     s.assign(H * (M + 8), 0.0f);
     to_f32(static_cast<const uint8_t*>(q) + t * H * d * esz, bf16, H * d, qf.data());

@@ -15,13 +15,25 @@ using Tensor = torch::Tensor;
 using OptTensor = c10::optional<torch::Tensor>;
 
 // ---- paged attention (attn.h): keys read in place from the window ring, the step's rows and the pool ----
-// q [T, H, d]; ring uint8 [slots, rows, >= d * esz] and step [S, d] (the step's rows) in q's dtype; meta int64 [T, 4]
-// (slot, pos, chunk start, first step row); optional pool uint8 [blocks, rows, >= d * esz] with
-// tables int64 [N, C], seq int64 [T] and picks int64 [T, m] or counts int64 [T]. Every address a row
-// can reach is checked here, so the kernel never reads outside the tensors.
+// q [T, H, d]; ring uint8 [slots, rows, bytes]; step [S, d] (the step's rows) in q's dtype; meta int64 [T, 4]
+// (slot, pos, chunk start, first step row); optional pool uint8 [blocks, rows, bytes] with
+// tables int64 [N, C], seq int64 [T] and picks int64 [T, m] or counts int64 [T]. codecs = (scheme, block,
+// rope_dim) of the ring's rows, then of the pool's (row_codec.h; scheme -1: values of q's dtype). Every
+// address a row can reach and every row's length are checked here, so the kernel never reads outside the tensors.
+
+// The layout of rows of d values given as (scheme, block, rope_dim), and the bytes a row needs.
+RowCodec codec_of(at::IntArrayRef codecs, int64_t at, int64_t d, const char* what) {
+  const RowCodec c{static_cast<int>(codecs[at]), codecs[at + 1], d, codecs[at + 2]};
+  TORCH_CHECK(c.scheme == ROW_PLAIN || codec_valid(c), "kernels.paged_attention: the ", what, "'s row layout (scheme ",
+              c.scheme, ", block ", c.block, ", rope dims ", c.rope_dim, ") does not fit rows of ", d, " values");
+  return c;
+}
+
+int64_t row_bytes(const RowCodec& c, int64_t d, int64_t esz) { return c.scheme == ROW_PLAIN ? d * esz : codec_row_bytes(c); }
 Tensor paged_attention_op(const Tensor& q, const Tensor& ring, const Tensor& step, const Tensor& meta, int64_t w,
                           const OptTensor& pool, const OptTensor& tables, const OptTensor& seq, const OptTensor& picks,
-                          const OptTensor& counts, int64_t ratio, int64_t block_size, const Tensor& sink, double scale) {
+                          const OptTensor& counts, int64_t ratio, int64_t block_size, const Tensor& sink, double scale,
+                          at::IntArrayRef codecs) {
   constexpr const char* op = "paged_attention";
   check_stream_dtype(q, op, "q");
   check_rows(step, op, "step", q.scalar_type());
@@ -29,11 +41,14 @@ Tensor paged_attention_op(const Tensor& q, const Tensor& ring, const Tensor& ste
   check_rows(sink, op, "sink", torch::kFloat32);
   TORCH_CHECK(q.dim() == 3 && q.size(2) % 8 == 0 && q.size(2) <= 1024, "kernels.paged_attention: q must be [T, H, d] with d a multiple of 8 up to 1024, got ", q.sizes());
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), esz = q.element_size();
+  TORCH_CHECK(codecs.size() == 6, "kernels.paged_attention: codecs must be 6 ints (ring, then pool: scheme, block, rope dims)");
+  const RowCodec ring_codec = codec_of(codecs, 0, d, "ring"), pool_codec = codec_of(codecs, 3, d, "pool");
+  const int64_t ring_bytes = row_bytes(ring_codec, d, esz), pool_bytes = row_bytes(pool_codec, d, esz);
   TORCH_CHECK(sink.numel() == h, "kernels.paged_attention: sink has ", sink.numel(), " entries for ", h, " heads");
   TORCH_CHECK(step.dim() == 2 && step.size(1) == d, "kernels.paged_attention: step ", step.sizes(), " does not fit q ", q.sizes());
   TORCH_CHECK(meta.dim() == 2 && meta.size(0) == t && meta.size(1) == 4, "kernels.paged_attention: meta must be [T, 4], got ", meta.sizes());
   TORCH_CHECK(ring.device().is_cpu() && ring.scalar_type() == torch::kUInt8 && ring.dim() == 3 && ring.stride(2) == 1 &&
-              ring.size(2) >= d * esz && ring.size(1) >= 1, "kernels.paged_attention: ring must be uint8 [slots, rows, >= ", d * esz, "] with unit byte stride, got ", ring.sizes());
+              ring.size(2) >= ring_bytes && ring.size(1) >= 1, "kernels.paged_attention: ring must be uint8 [slots, rows, >= ", ring_bytes, "] with unit byte stride, got ", ring.sizes());
   TORCH_CHECK(w >= 0 && w <= ring.size(1), "kernels.paged_attention: window ", w, " is deeper than the ring's ", ring.size(1), " rows");
   const int64_t* mp = meta.data_ptr<int64_t>();
   for (int64_t r = 0; r < t; ++r) {  // slot in range; step rows of the window inside [0, T)
@@ -41,7 +56,7 @@ Tensor paged_attention_op(const Tensor& q, const Tensor& ring, const Tensor& ste
     TORCH_CHECK(slot >= 0 && slot < ring.size(0) && start <= pos && first >= 0 && first + pos - start < step.size(0),
                 "kernels.paged_attention: meta row ", r, " (slot ", slot, ", pos ", pos, ", start ", start, ", first ", first, ") is outside the ring or the step");
   }
-  WindowKeys win{ring.data_ptr<uint8_t>(), ring.stride(0), ring.stride(1), ring.size(1),
+  WindowKeys win{ring.data_ptr<uint8_t>(), ring.stride(0), ring.stride(1), ring.size(1), ring_codec,
                      reinterpret_cast<const uint8_t*>(step.data_ptr()), d * esz, mp, w};
   PoolKeys pk{};
   const bool has_pool = pool.has_value();
@@ -49,7 +64,7 @@ Tensor paged_attention_op(const Tensor& q, const Tensor& ring, const Tensor& ste
     TORCH_CHECK(tables.has_value() && seq.has_value() && (picks.has_value() != counts.has_value()),
                 "kernels.paged_attention: a pool needs tables, seq and exactly one of picks / counts");
     TORCH_CHECK(pool->device().is_cpu() && pool->scalar_type() == torch::kUInt8 && pool->dim() == 3 && pool->stride(2) == 1 &&
-                pool->size(2) >= d * esz, "kernels.paged_attention: pool must be uint8 [blocks, rows, >= ", d * esz, "] with unit byte stride, got ", pool->sizes());
+                pool->size(2) >= pool_bytes, "kernels.paged_attention: pool must be uint8 [blocks, rows, >= ", pool_bytes, "] with unit byte stride, got ", pool->sizes());
     check_rows(*tables, op, "tables", torch::kInt64);
     check_rows(*seq, op, "seq", torch::kInt64);
     TORCH_CHECK(tables->dim() == 2 && seq->numel() == t, "kernels.paged_attention: tables must be [N, C] and seq [T]");
@@ -75,7 +90,7 @@ Tensor paged_attention_op(const Tensor& q, const Tensor& ring, const Tensor& ste
       cp = counts->data_ptr<int64_t>();
       for (int64_t r = 0; r < t; ++r) TORCH_CHECK(cp[r] >= 0 && cp[r] <= tables->size(1) * (block_size / ratio), "kernels.paged_attention: counts[", r, "] = ", cp[r], " is past the block table");
     }
-    pk = PoolKeys{pool->data_ptr<uint8_t>(), pool->stride(0), pool->stride(1), tp, tables->size(1), sp, pp, m, cp,
+    pk = PoolKeys{pool->data_ptr<uint8_t>(), pool->stride(0), pool->stride(1), pool_codec, tp, tables->size(1), sp, pp, m, cp,
                       ratio, block_size};
   }
   auto out = torch::empty(q.sizes(), q.options());
@@ -163,7 +178,8 @@ std::vector<Tensor> index_select_op(const Tensor& qr, const Tensor& x, int64_t s
 
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
   m.def("paged_attention(Tensor q, Tensor ring, Tensor step, Tensor meta, int w, Tensor? pool, Tensor? tables, "
-        "Tensor? seq, Tensor? picks, Tensor? counts, int ratio, int block_size, Tensor sink, float scale) -> Tensor");
+        "Tensor? seq, Tensor? picks, Tensor? counts, int ratio, int block_size, Tensor sink, float scale, "
+        "int[] codecs) -> Tensor");
   m.def("index_topk(Tensor q, Tensor w, Tensor keys, bool keys_bf16, Tensor? tables, Tensor seq, Tensor counts, "
         "int ratio, int block_size, int k) -> Tensor");
   // set: a pack set (pack_set.h) of wq_b and weights_proj

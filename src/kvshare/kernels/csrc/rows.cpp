@@ -26,10 +26,6 @@ inline float e4m3_round(float x) {  // quant.e4m3_round: clamp to +-448, c10's e
   return static_cast<float>(c10::Float8_e4m3fn(std::min(std::max(x, -448.0f), 448.0f)));
 }
 
-inline float e4m3_value(uint8_t b) { return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())); }
-
-inline float ue8m0_value(uint8_t b) { return std::ldexp(1.0f, static_cast<int>(b) - 127); }  // 2^(b - 127)
-
 inline uint8_t ue8m0_byte(float scale) {  // formats._ue8m0_bytes: frexp exponent + 126, wrapped to a byte
   int e = 0;
   std::frexp(scale, &e);
@@ -197,11 +193,11 @@ torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64
               "kernels.unpack_rows: rows must be a uint8 CPU tensor");
   TORCH_CHECK(scheme >= ROW_FP4_E4M3 && scheme <= ROW_FP8_V4, "kernels.unpack_rows: unknown scheme ", scheme);
   TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "kernels.unpack_rows: out dtype must be bf16 or fp32");
-  const int64_t n = scheme == ROW_FP8_V4 ? dim - rope_dim : dim;
-  TORCH_CHECK(block > 0 && n > 0 && n % block == 0, "kernels.unpack_rows: ", n, " values do not fit blocks of ", block);
-  const bool fp4 = scheme == ROW_FP4_E4M3 || scheme == ROW_FP4_UE8M0;
-  const int64_t data = fp4 ? n / 2 : n + 2 * rope_dim, rb = u8.size(-1);
-  TORCH_CHECK(rb >= data + n / block, "kernels.unpack_rows: rows of ", rb, " bytes are too short");
+  const RowCodec codec{static_cast<int>(scheme), block, dim, rope_dim};
+  TORCH_CHECK(codec_valid(codec), "kernels.unpack_rows: ", codec_quant_dims(codec),
+              " values do not fit blocks of ", block);
+  const int64_t rb = u8.size(-1);
+  TORCH_CHECK(rb >= codec_row_bytes(codec), "kernels.unpack_rows: rows of ", rb, " bytes are too short");
   auto uc = u8.contiguous();
   auto sizes = uc.sizes().vec();
   sizes.back() = dim;
@@ -210,25 +206,7 @@ torch::Tensor unpack_rows(torch::Tensor u8, int64_t scheme, int64_t block, int64
   std::vector<float> v(static_cast<size_t>(dim));
   const auto* in = uc.data_ptr<uint8_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = in + r * rb;
-    for (int64_t b = 0; b < n; b += block) {
-      const uint8_t sb = row[data + b / block];
-      const float s = scheme == ROW_FP4_E4M3 ? e4m3_value(sb) : ue8m0_value(sb);
-      if (fp4) {
-        for (int64_t i = 0; i < block; i += 2) {
-          const uint8_t byte = row[(b + i) / 2];
-          v[b + i] = fp4_value(byte & 0xF, s);
-          v[b + i + 1] = fp4_value(byte >> 4, s);
-        }
-      } else {
-        for (int64_t i = 0; i < block; ++i) v[b + i] = e4m3_value(row[b + i]) * s;
-      }
-    }
-    for (int64_t i = 0; i < rope_dim; ++i) {
-      uint16_t bits;
-      memcpy(&bits, row + n + 2 * i, 2);
-      v[n + i] = static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
-    }
+    decode_row(in + r * rb, codec, v.data());
     store_row(out, r, dim, v.data());
   }
   return out;

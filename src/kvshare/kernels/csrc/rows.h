@@ -2,11 +2,9 @@
 #pragma once
 #include <torch/extension.h>
 #include <vector>
+#include "row_codec.h"  // RowScheme (plain and fp8_row rows stay torch here), the row decoder
 
 namespace kvshare_kernels {
-
-// RowFormat schemes served natively (cache/formats.py names them; plain and fp8_row rows stay torch).
-enum RowScheme : int { ROW_FP4_E4M3 = 0, ROW_FP4_UE8M0 = 1, ROW_FP8_V41 = 2, ROW_FP8_V4 = 3 };
 
 // quant.fake_quant_fp4(x, block, "ue8m0" if ue8m0 else "e4m3"): same dtype as x (bf16 / fp32).
 torch::Tensor fake_quant_fp4(torch::Tensor x, int64_t block, bool ue8m0);
