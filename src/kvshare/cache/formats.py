@@ -122,8 +122,9 @@ def _exact_fp4_e4m3(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
 
 #: the row schemes stored as plain floats, and their dtype
 _PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-#: unpack dtypes the native codecs write (`kernels/rows.py`); float64 reads decode in torch
-_NATIVE_OUT = (torch.float32, torch.bfloat16)
+#: unpack dtypes the native codecs write (`kernels/rows.py`), and so the dtypes a native reader of
+#: quantised rows decodes them to (`RowFormat.codec`); float64 reads decode in torch
+DECODED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ class RowFormat:
         bf16 is not widened to fp32 and rounded back, which gives the same values); quantised rows
         are decoded in fp32, then rounded to `dtype`."""
         plain = _PLAIN_DTYPES.get(self.scheme)
-        if (dtype in _NATIVE_OUT and self.scheme in native_rows.SCHEMES and self.row_bytes
+        if (dtype in DECODED_DTYPES and self.scheme in native_rows.SCHEMES and self.row_bytes
                 and native_rows.serves(u8)):  # the same bits in one call
             self._check(u8)
             return native_rows.unpack(self.scheme, u8, self.block, self.dim, self.rope_dim, dtype)

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.cache.formats import DECODED_DTYPES
 from kvshare.cache.in_place import PoolKeys, WindowKeys
 from kvshare.cache.pool import BlockPool
 from kvshare.cache.rings import Ring, write_all
 from kvshare.cache.step_reads import StepReadCache
 from kvshare.step import StepBatch
 from kvshare.step.addresses import StepAddresses, compressed_row_address
-
-#: reading dtypes quantised rows are decoded to for in-place readers (the native decoders' outputs)
-_DECODED = (torch.bfloat16, torch.float32)
 
 
 class PagedBackend:
@@ -122,7 +120,7 @@ class PagedBackend:
         if ring.fmt is None:
             return None
         plain = ring.fmt.plain_dtype == values.dtype
-        coded = reader_decodes and ring.fmt.codec is not None and values.dtype in _DECODED
+        coded = reader_decodes and ring.fmt.codec is not None and values.dtype in DECODED_DTYPES
         if not (plain or decode or coded):
             return None
         addr = self._bound(batch)
@@ -176,8 +174,8 @@ class PagedBackend:
         `RowFormat.codec`; else None (the caller then gathers with `gather_rows`)."""
         fmt = self.pool.formats[kind]
         plain = fmt.plain_dtype == dtype
-        coded = reader_decodes and fmt.codec is not None and dtype in _DECODED
-        if not (plain or (decode and dtype in _DECODED) or coded):
+        coded = reader_decodes and fmt.codec is not None and dtype in DECODED_DTYPES
+        if not (plain or (decode and dtype in DECODED_DTYPES) or coded):
             return None
         addr = self._bound(batch)
         tables, ratio, view = self._tables(batch), self.pool.ratio(layer), self.pool.read_view(kind, layer)

@@ -21,9 +21,9 @@ summation shapes and orders differ):
   against the torch code in tests), and, where the cache backend offers in-place reads
   (`CacheBackend.window_keys` / ``pool_keys``: plain rows of q's dtype, or FP8 / FP4 rows the
   kernel decodes), read where they are stored (`kernels.attn.paged_attention`, all rows in one
-  call: the bits of the native kernel over gathered rows). Per-call facts fall back inside it: activations the kernels do not take (a model
-  cast after it was bound; autograd recording) run ``forward_invariant``; q and cached rows of
-  different dtypes run the torch product for that call.
+  call: the bits of the native kernel over gathered rows). Per-call facts fall back inside it:
+  activations the kernels do not take (a model cast after it was bound; autograd recording) run
+  ``forward_invariant``; q and cached rows of different dtypes run the torch product for that call.
 """
 
 from __future__ import annotations

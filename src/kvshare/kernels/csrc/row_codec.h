@@ -1,7 +1,9 @@
 // Decoding one stored cache row (cache/formats.py `RowFormat.unpack` for the quantised schemes) to its
 // fp32 values: torch-free and header-only, so rows.cpp (`unpack_rows`) and attn.cpp (keys read in place)
 // decode with the same code. Every value is exact in fp32 (an e4m3 or e2m1 code times its block scale),
-// so any reader that rounds it to the row's reading dtype gets the torch decoder's bits.
+// so any reader that rounds it to the row's reading dtype gets the torch decoder's bits. The functions
+// are internal to each including unit (an unnamed namespace, as lanes8.h): attn.cpp compiles them for
+// AVX2, and the linker must not hand that copy to a unit compiled for the baseline ISA.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +24,8 @@ struct RowCodec {
   int scheme;
   int64_t block, dim, rope_dim;
 };
+
+namespace {
 
 inline int64_t codec_quant_dims(const RowCodec& c) { return c.scheme == ROW_FP8_V4 ? c.dim - c.rope_dim : c.dim; }
 
@@ -105,4 +109,5 @@ inline void decode_row(const uint8_t* row, const RowCodec& c, float* v) {
   }
 }
 
+}  // namespace
 }  // namespace kvshare_kernels
